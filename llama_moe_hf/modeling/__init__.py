@@ -1,0 +1,18 @@
+"""Model families of llama-moe-hf. Importing this module registers them with the transformers Auto classes."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_llama_moe import LlamaMoEConfig
+from .modeling_llama_moe import LlamaMoEForCausalLM, LlamaMoEModel
+
+AutoConfig.register(LlamaMoEConfig.model_type, LlamaMoEConfig, exist_ok=True)
+AutoModel.register(LlamaMoEConfig, LlamaMoEModel, exist_ok=True)
+AutoModelForCausalLM.register(LlamaMoEConfig, LlamaMoEForCausalLM, exist_ok=True)
+
+# save_pretrained copies the modeling files next to the weights and writes `auto_map`, so a saved folder loads with
+# trust_remote_code=True where this package is not installed.
+LlamaMoEConfig.register_for_auto_class()
+LlamaMoEModel.register_for_auto_class("AutoModel")
+LlamaMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["LlamaMoEConfig", "LlamaMoEForCausalLM", "LlamaMoEModel"]

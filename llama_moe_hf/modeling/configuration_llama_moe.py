@@ -1,0 +1,117 @@
+"""LlamaMoE configuration: a LLaMA config plus the Mixture-of-Experts fields.
+
+This file is copied next to saved checkpoints (remote code), so it only imports from transformers and
+huggingface_hub.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+ROUTER_TYPES = ("top_k", "switch", "noisy_top_k")
+
+
+@strict
+class LlamaMoEConfig(LlamaConfig):
+    r"""
+    Configuration of a LLaMA model whose feed-forward blocks are (partly) Mixture-of-Experts blocks.
+
+    Every field of [`LlamaConfig`] keeps its meaning. The MoE fields are:
+
+        num_experts (`int`, defaults to 8): routed experts per MoE layer.
+        num_experts_per_tok (`int`, defaults to 2): experts each token is routed to (top-k).
+        moe_intermediate_size (`int`, *optional*): intermediate size of one routed expert. Defaults to
+            `intermediate_size // num_experts` (an even split of the dense FFN).
+        num_shared_experts (`int`, defaults to 0): always-on experts (LLaMA-MoE v2 residual MoE). They are stored
+            fused as one MLP of size `num_shared_experts * shared_expert_intermediate_size`.
+        shared_expert_intermediate_size (`int`, *optional*): intermediate size of one shared expert. Defaults to
+            `moe_intermediate_size`.
+        score_scale_factor (`float` or `list[float]`, defaults to 1.0): LLaMA-MoE's rescaling of the routed expert
+            outputs; one value for all layers or one per decoder layer.
+        router_type (`str`, defaults to `"top_k"`):
+            - `"top_k"`: softmax over all experts, keep the top-k, renormalise them to sum to 1 (Mixtral, LLaMA-MoE).
+            - `"switch"`: softmax over all experts, keep the top-k without renormalising (Switch Transformer with k=1).
+            - `"noisy_top_k"`: `"top_k"` with learned, input-dependent Gaussian noise added to the logits in training
+              only (Shazeer et al., 2017).
+        router_aux_loss_coef (`float`, defaults to 0.01): weight of the load-balancing loss.
+        router_z_loss_coef (`float`, defaults to 0.0): weight of the router z-loss (ST-MoE).
+        output_router_logits (`bool`, defaults to False): return router logits and the auxiliary loss.
+        moe_layers (`list[int]`, *optional*): decoder layers that are MoE; the others keep a dense LLaMA MLP.
+            Defaults to every layer.
+        conversion_info (`dict`, *optional*): how the checkpoint was made (method, seed, source); informational.
+    """
+
+    model_type = "llama_moe"
+    # The dense TP plan of LlamaConfig names mlp.gate_proj etc., which MoE layers do not have.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+    }
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    score_scale_factor: float | list[float] = 1.0
+    router_type: str = "top_k"
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    moe_layers: list[int] | None = None
+    conversion_info: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.moe_intermediate_size is None and self.num_experts > 0:
+            self.moe_intermediate_size = self.intermediate_size // self.num_experts
+        if self.shared_expert_intermediate_size is None:
+            self.shared_expert_intermediate_size = self.moe_intermediate_size
+        if self.moe_layers is None:
+            self.moe_layers = list(range(self.num_hidden_layers))
+        if isinstance(self.score_scale_factor, int):
+            self.score_scale_factor = float(self.score_scale_factor)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: one clear `ValueError` per impossible setting."""
+        super().validate_architecture()
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {self.num_experts}.")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok (top-k) must be between 1 and num_experts={self.num_experts}, "
+                f"got {self.num_experts_per_tok}."
+            )
+        if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size} "
+                f"(intermediate_size={self.intermediate_size} split into {self.num_experts} experts)."
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}.")
+        if self.num_shared_experts and (self.shared_expert_intermediate_size or 0) < 1:
+            raise ValueError("shared_expert_intermediate_size must be a positive integer when shared experts are used.")
+        if self.router_type not in ROUTER_TYPES:
+            raise ValueError(f"Unknown router_type {self.router_type!r}; choose one of {', '.join(ROUTER_TYPES)}.")
+        if isinstance(self.score_scale_factor, list) and len(self.score_scale_factor) != self.num_hidden_layers:
+            raise ValueError(
+                f"score_scale_factor has {len(self.score_scale_factor)} values but the model has "
+                f"{self.num_hidden_layers} layers; give one float or one value per layer."
+            )
+        bad_layers = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        if bad_layers:
+            raise ValueError(f"moe_layers {bad_layers} are outside 0..{self.num_hidden_layers - 1}.")
+        if len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ValueError(f"moe_layers has duplicates: {self.moe_layers}.")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise ValueError("router_aux_loss_coef and router_z_loss_coef must be >= 0.")
+
+    def layer_score_scale(self, layer_idx: int) -> float:
+        """The expert output scale of decoder layer `layer_idx`."""
+        if isinstance(self.score_scale_factor, list):
+            return float(self.score_scale_factor[layer_idx])
+        return float(self.score_scale_factor)
+
+
+__all__ = ["LlamaMoEConfig"]

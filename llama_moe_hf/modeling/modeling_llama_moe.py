@@ -1,0 +1,365 @@
+"""LlamaMoE: LLaMA with Mixture-of-Experts feed-forward blocks (LLaMA-MoE v1/v2, sparse upcycling).
+
+Attention, norms and rotary embeddings are transformers' own LLaMA modules; only the MoE parts are new:
+
+    LlamaMoERouter        hidden states -> (router_logits, top-k weights, top-k expert ids), float32 math
+    LlamaMoEExperts       fused expert weights + the grouped expert compute (`@use_experts_implementation`)
+    LlamaMoESparseMoeBlock router + experts (+ always-on shared experts), LLaMA-MoE score scaling
+    LlamaMoEDecoderLayer  LLaMA decoder layer whose MLP is dense or MoE (`config.moe_layers`)
+
+This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and
+`.configuration_llama_moe`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_llama_moe import LlamaMoEConfig
+
+
+def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.Tensor | int:
+    """ST-MoE router z-loss: mean over tokens and layers of logsumexp(logits)^2 (keeps router logits small)."""
+    if not router_logits:
+        return 0
+    return torch.stack([torch.logsumexp(logits.float(), dim=-1).square().mean() for logits in router_logits]).mean()
+
+
+class LlamaMoERouter(nn.Module):
+    """Token-choice top-k router. Returns `(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`."""
+
+    def __init__(self, config: LlamaMoEConfig):
+        super().__init__()
+        self.router_type = config.router_type
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        if self.router_type == "noisy_top_k":
+            # Learned per-expert noise scale, softplus(x W_noise) (Shazeer et al., 2017).
+            self.noise_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
+        router_logits = F.linear(hidden_states, self.weight.float())  # [T, E]
+        if self.router_type == "noisy_top_k" and self.training:
+            noise_std = F.softplus(F.linear(hidden_states, self.noise_weight.float()))
+            router_logits = router_logits + torch.randn_like(router_logits) * noise_std
+        router_probs = F.softmax(router_logits, dim=-1)
+        top_k_weights, top_k_index = torch.topk(router_probs, self.top_k, dim=-1)  # [T, k]
+        if self.router_type != "switch":
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        return router_logits, top_k_weights, top_k_index
+
+
+@use_experts_implementation
+class LlamaMoEExperts(nn.Module):
+    """Routed experts stored as fused 3-D tensors: `gate_up_proj [E, 2m, H]` (gate rows first), `down_proj [E, H, m]`."""
+
+    def __init__(self, config: LlamaMoEConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        top_k_index: torch.Tensor,  # [T, k]
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:
+        # Sort the T*k (token, expert) pairs by expert so each expert runs one dense matmul on a contiguous slice;
+        # a single host sync (the per-expert counts) replaces Mixtral's per-expert `torch.where`.
+        num_tokens, top_k = top_k_index.shape
+        flat_index = top_k_index.reshape(-1)  # [S], S = T*k
+        order = flat_index.argsort(stable=True)  # [S]
+        counts = torch.bincount(flat_index, minlength=self.num_experts).tolist()
+        sorted_states = hidden_states[order // top_k]  # [S, H]
+
+        outputs = []
+        start = 0
+        for expert_idx, count in enumerate(counts):
+            if count == 0:
+                continue
+            expert_states = sorted_states[start : start + count]
+            gate, up = F.linear(expert_states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)  # [n, m] each
+            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx]))  # [n, H]
+            start += count
+        sorted_out = torch.cat(outputs) * top_k_weights.reshape(-1)[order, None].to(hidden_states.dtype)
+
+        # Undo the sort with a scatter to unique rows, then sum each token's k slots (deterministic, unlike index_add).
+        out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)  # [S, H]
+        return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class LlamaMoESharedExperts(nn.Module):
+    """Always-on shared experts, fused into one SwiGLU MLP of `num_shared_experts * shared_expert_intermediate_size`."""
+
+    def __init__(self, config: LlamaMoEConfig):
+        super().__init__()
+        intermediate_size = config.num_shared_experts * config.shared_expert_intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class LlamaMoESparseMoeBlock(nn.Module):
+    """output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x)  [+ shared_experts(x)]"""
+
+    def __init__(self, config: LlamaMoEConfig, layer_idx: int):
+        super().__init__()
+        self.score_scale_factor = config.layer_score_scale(layer_idx)
+        self.gate = LlamaMoERouter(config)
+        self.experts = LlamaMoEExperts(config)
+        self.shared_experts = LlamaMoESharedExperts(config) if config.num_shared_experts > 0 else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        flat_states = hidden_states.view(-1, hidden_dim)  # [T, H]
+        _, top_k_weights, top_k_index = self.gate(flat_states)
+        output = self.experts(flat_states, top_k_index, top_k_weights * self.score_scale_factor)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(flat_states)
+        return output.view(batch_size, sequence_length, hidden_dim)
+
+
+class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: LlamaMoEConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMoESparseMoeBlock(config, layer_idx) if layer_idx in config.moe_layers else LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class LlamaMoEPreTrainedModel(PreTrainedModel):
+    config: LlamaMoEConfig
+    config_class = LlamaMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LlamaMoEDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = False  # the expert loop has data-dependent shapes
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(LlamaMoERouter, index=0),
+        "hidden_states": LlamaMoEDecoderLayer,
+        "attentions": LlamaAttention,
+    }
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Our eager forward is the fastest path on CPU (docs/benchmarks.md); transformers would default to grouped_mm.
+        return super().get_correct_experts_implementation(requested_experts or "eager")
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, LlamaMoEExperts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, LlamaMoERouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if hasattr(module, "noise_weight"):
+                nn.init.zeros_(module.noise_weight)
+
+
+class LlamaMoEModel(LlamaMoEPreTrainedModel):
+    def __init__(self, config: LlamaMoEConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [LlamaMoEDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: LlamaMoEConfig):
+        super().__init__(config)
+        self.model = LlamaMoEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
+        r"""
+        `aux_loss` is the (unweighted) load-balancing loss of Switch/Mixtral over the MoE layers; with `labels`,
+        `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
+        """
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        aux_loss = None
+        if output_router_logits and outputs.router_logits:
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if labels is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                if self.config.router_z_loss_coef > 0:
+                    z_loss = router_z_loss_func(outputs.router_logits)
+                    loss = loss + self.config.router_z_loss_coef * z_loss.to(loss.device)
+
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+__all__ = [
+    "LlamaMoEForCausalLM",
+    "LlamaMoEModel",
+    "LlamaMoEPreTrainedModel",
+    "LlamaMoERouter",
+    "LlamaMoEExperts",
+    "LlamaMoESparseMoeBlock",
+]

@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="llama-moe-hf",
+    version="0.1.0",
+    description="Turn dense LLaMA-family checkpoints into Mixture-of-Experts models for Hugging Face transformers.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]),
+    install_requires=[
+        "torch>=2.9",
+        "transformers>=5.23,<6",
+        "safetensors>=0.8",
+        "huggingface_hub>=2.4",
+        "accelerate>=1.15",
+        "gguf>=0.19",
+        "tqdm",
+    ],
+    extras_require={
+        "calibration": ["datasets>=5.2", "k-means-constrained>=0.9.1", "scikit-learn"],
+        "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2"],
+        "test": [
+            "pytest",
+            "psutil",
+            "trl>=1.16",
+            "peft>=0.21",
+            "datasets>=5.2",
+            "k-means-constrained>=0.9.1",
+            "scikit-learn",
+        ],
+    },
+    entry_points={"console_scripts": ["llama-moe=llama_moe_hf.cli:main"]},
+)
