@@ -1,7 +1,26 @@
 """llama-moe-hf: turn dense LLaMA-family checkpoints into Mixture-of-Experts models for transformers."""
 
-from .modeling import LlamaMoEConfig, LlamaMoEForCausalLM, LlamaMoEModel
+from .modeling import (
+    AttnMoEConfig,
+    AttnMoEForCausalLM,
+    AttnMoEModel,
+    LlamaMoEConfig,
+    LlamaMoEForCausalLM,
+    LlamaMoEModel,
+)
+from .conversion import ConversionOptions, convert_to_moe, push_folder
 
 __version__ = "0.1.0"
 
-__all__ = ["LlamaMoEConfig", "LlamaMoEForCausalLM", "LlamaMoEModel", "__version__"]
+__all__ = [
+    "AttnMoEConfig",
+    "AttnMoEForCausalLM",
+    "AttnMoEModel",
+    "ConversionOptions",
+    "LlamaMoEConfig",
+    "LlamaMoEForCausalLM",
+    "LlamaMoEModel",
+    "__version__",
+    "convert_to_moe",
+    "push_folder",
+]

@@ -7,7 +7,7 @@ huggingface_hub.
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k")
+ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector")
 
 
 @strict
@@ -32,6 +32,17 @@ class LlamaMoEConfig(LlamaConfig):
             - `"switch"`: softmax over all experts, keep the top-k without renormalising (Switch Transformer with k=1).
             - `"noisy_top_k"`: `"top_k"` with learned, input-dependent Gaussian noise added to the logits in training
               only (Shazeer et al., 2017).
+            - `"selector"`: MoEfication's expert selector, `Linear(H, E) -> tanh -> Linear(E, E)` (`mlp.gate.weight`,
+              `mlp.gate.bias`, `mlp.gate.selector.{weight,bias}`); picks the top-k scores and gives every selected
+              expert weight 1 (G-MoEfication), with a straight-through gradient `1 + p - p.detach()`,
+              `p = sigmoid(score)`, so the selector keeps training.
+        moe_compensation (`bool`, defaults to False): G-MoEfication's representative values. Each MoE layer keeps
+            `mlp.compensation` `[E, H]`, row e = `mean_activation_e @ down_proj_e^T` (the expert's output at its mean
+            activation over calibration data), and adds the rows of the experts a token did *not* select:
+            `output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x) + sum_{e not in top-k} compensation_e`.
+            With unit effective weights (`score_scale_factor * w_e == 1`, as the `"selector"` router gives) this is
+            the dense FFN with the unselected experts' activations replaced by their means; with every expert
+            selected it adds exactly zero. Off: no parameter and no cost.
         router_aux_loss_coef (`float`, defaults to 0.01): weight of the load-balancing loss.
         router_z_loss_coef (`float`, defaults to 0.0): weight of the router z-loss (ST-MoE).
         output_router_logits (`bool`, defaults to False): return router logits and the auxiliary loss.
@@ -54,8 +65,9 @@ class LlamaMoEConfig(LlamaConfig):
     moe_intermediate_size: int | None = None
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
-    score_scale_factor: float | list[float] = 1.0
+    score_scale_factor: float | int | list[float] = 1.0
     router_type: str = "top_k"
+    moe_compensation: bool = False
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False
@@ -72,10 +84,16 @@ class LlamaMoEConfig(LlamaConfig):
         if isinstance(self.score_scale_factor, int):
             self.score_scale_factor = float(self.score_scale_factor)
         super().__post_init__(**kwargs)
+        # Checked here too (not only in the strict validator, which wraps errors) so users get a plain ValueError.
+        self.validate_moe()
 
     def validate_architecture(self):
-        """Part of `@strict` validation: one clear `ValueError` per impossible setting."""
+        """Part of `@strict` validation."""
         super().validate_architecture()
+        self.validate_moe()
+
+    def validate_moe(self):
+        """One clear `ValueError` per impossible MoE setting."""
         if self.num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {self.num_experts}.")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:

@@ -45,21 +45,41 @@ def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.
 
 
 class LlamaMoERouter(nn.Module):
-    """Token-choice top-k router. Returns `(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`."""
+    """Token-choice top-k router. Returns `(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`.
 
-    def __init__(self, config: LlamaMoEConfig):
+    `router_type="selector"` is MoEfication's expert selector: scores = `Linear(E, E)(tanh(Linear(H, E)(x)))`, the
+    top-k scores win, and every winner gets weight 1 (straight-through: gradients flow through sigmoid(score)).
+    """
+
+    def __init__(
+        self,
+        config: LlamaMoEConfig,
+        num_experts: int | None = None,
+        top_k: int | None = None,
+        router_type: str | None = None,
+    ):
+        # The overrides route something other than the MLP experts (AttnMoE's attention-head experts).
         super().__init__()
-        self.router_type = config.router_type
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
+        self.router_type = router_type or config.router_type
+        self.top_k = top_k or config.num_experts_per_tok
+        self.num_experts = num_experts or config.num_experts
         self.hidden_dim = config.hidden_size
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
         if self.router_type == "noisy_top_k":
             # Learned per-expert noise scale, softplus(x W_noise) (Shazeer et al., 2017).
             self.noise_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        if self.router_type == "selector":
+            self.bias = nn.Parameter(torch.empty(self.num_experts))
+            self.selector = nn.Linear(self.num_experts, self.num_experts)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
+        if self.router_type == "selector":
+            hidden_states = torch.tanh(F.linear(hidden_states, self.weight.float(), self.bias.float()))  # [T, E]
+            router_logits = F.linear(hidden_states, self.selector.weight.float(), self.selector.bias.float())
+            top_k_index = torch.topk(router_logits, self.top_k, dim=-1).indices  # [T, k]
+            probs = torch.sigmoid(router_logits.gather(1, top_k_index))
+            return router_logits, probs - probs.detach() + 1, top_k_index  # weights: exactly 1 forward
         router_logits = F.linear(hidden_states, self.weight.float())  # [T, E]
         if self.router_type == "noisy_top_k" and self.training:
             noise_std = F.softplus(F.linear(hidden_states, self.noise_weight.float()))
@@ -84,34 +104,47 @@ class LlamaMoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
 
+    def _expert(self, states: torch.Tensor, expert_idx: int) -> torch.Tensor:
+        """SwiGLU of one expert on `[n, H]` rows, through views of the fused weights (no copy)."""
+        gate, up = F.linear(states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)  # [n, m] each
+        return F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])  # [n, H]
+
     def forward(
         self,
         hidden_states: torch.Tensor,  # [T, H]
         top_k_index: torch.Tensor,  # [T, k]
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
-        # Sort the T*k (token, expert) pairs by expert so each expert runs one dense matmul on a contiguous slice;
-        # a single host sync (the per-expert counts) replaces Mixtral's per-expert `torch.where`.
-        num_tokens, top_k = top_k_index.shape
-        flat_index = top_k_index.reshape(-1)  # [S], S = T*k
-        order = flat_index.argsort(stable=True)  # [S]
-        counts = torch.bincount(flat_index, minlength=self.num_experts).tolist()
-        sorted_states = hidden_states[order // top_k]  # [S, H]
+        weights = top_k_weights.to(hidden_states.dtype)
+        if top_k_index.numel() <= self.num_experts:
+            # Few (token, expert) pairs, as in decoding: run them one by one. No sort, scatter or zero-filled output,
+            # whose fixed cost would dominate here; each selected expert's weights are still read only once.
+            rows = [
+                weights[token_idx] @ torch.cat([self._expert(hidden_states[token_idx, None], e) for e in expert_ids])
+                for token_idx, expert_ids in enumerate(top_k_index.tolist())
+            ]  # T x [H]
+            return torch.stack(rows)
 
-        outputs = []
+        # Group the T*k (token, expert) pairs by expert with one argsort and a single host sync (the per-expert
+        # counts). Each expert then gathers only its own rows, so the working set stays cache-sized at long inputs
+        # (one big gather of all T*k rows is slower on CPU), and adds its weighted output back in place.
+        top_k = top_k_index.shape[-1]
+        flat_index = top_k_index.reshape(-1)  # [S], S = T*k
+        order = flat_index.argsort()  # [S]
+        counts = torch.bincount(flat_index, minlength=self.num_experts).tolist()
+        token_index = order // top_k  # [S]
+        sorted_weights = weights.reshape(-1, 1)[order]  # [S, 1]
+
+        output = torch.zeros_like(hidden_states)  # [T, H]
         start = 0
         for expert_idx, count in enumerate(counts):
             if count == 0:
                 continue
-            expert_states = sorted_states[start : start + count]
-            gate, up = F.linear(expert_states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)  # [n, m] each
-            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx]))  # [n, H]
-            start += count
-        sorted_out = torch.cat(outputs) * top_k_weights.reshape(-1)[order, None].to(hidden_states.dtype)
-
-        # Undo the sort with a scatter to unique rows, then sum each token's k slots (deterministic, unlike index_add).
-        out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)  # [S, H]
-        return out.view(num_tokens, top_k, -1).sum(dim=1)
+            end = start + count
+            tokens = token_index[start:end]  # [n]
+            output.index_add_(0, tokens, self._expert(hidden_states[tokens], expert_idx) * sorted_weights[start:end])
+            start = end
+        return output
 
 
 class LlamaMoESharedExperts(nn.Module):
@@ -130,7 +163,8 @@ class LlamaMoESharedExperts(nn.Module):
 
 
 class LlamaMoESparseMoeBlock(nn.Module):
-    """output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x)  [+ shared_experts(x)]"""
+    """output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x)  [+ shared_experts(x)]
+    [+ sum_{e not in top-k} compensation_e  (G-MoEfication, `config.moe_compensation`)]"""
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
@@ -138,12 +172,21 @@ class LlamaMoESparseMoeBlock(nn.Module):
         self.gate = LlamaMoERouter(config)
         self.experts = LlamaMoEExperts(config)
         self.shared_experts = LlamaMoESharedExperts(config) if config.num_shared_experts > 0 else None
+        # G-MoEfication representative values: row e stands in for expert e's output when it is not selected.
+        self.compensation = (
+            nn.Parameter(torch.zeros(config.num_experts, config.hidden_size)) if config.moe_compensation else None
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
         flat_states = hidden_states.view(-1, hidden_dim)  # [T, H]
         _, top_k_weights, top_k_index = self.gate(flat_states)
         output = self.experts(flat_states, top_k_index, top_k_weights * self.score_scale_factor)
+        if self.compensation is not None:
+            # 0/1 mask of the unselected experts: exactly zero when all are selected. [T, E] @ [E, H] -> [T, H]
+            unselected = self.compensation.new_ones(top_k_index.shape[0], self.compensation.shape[0])
+            unselected = unselected.scatter_(1, top_k_index, 0.0)
+            output = output + (unselected @ self.compensation).to(output.dtype)
         if self.shared_experts is not None:
             output = output + self.shared_experts(flat_states)
         return output.view(batch_size, sequence_length, hidden_dim)
@@ -206,7 +249,8 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
     }
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # Our eager forward is the fastest path on CPU (docs/benchmarks.md); transformers would default to grouped_mm.
+        # transformers would default to grouped_mm; our eager forward is faster on CPU for decoding and long inputs
+        # and needs no special kernel (docs/benchmarks.md, "MoE layer forward speed").
         return super().get_correct_experts_implementation(requested_experts or "eager")
 
     @torch.no_grad()
@@ -220,6 +264,10 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if hasattr(module, "noise_weight"):
                 nn.init.zeros_(module.noise_weight)
+            if hasattr(module, "selector"):
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, LlamaMoESparseMoeBlock) and module.compensation is not None:
+            nn.init.zeros_(module.compensation)
 
 
 class LlamaMoEModel(LlamaMoEPreTrainedModel):

@@ -1,0 +1,268 @@
+"""Training-free conversion quality on the real SmolLM2-135M-Instruct: perplexity of MoE conversions vs the dense model.
+
+Calibration: the first 90% of the built-in stdlib-docstring corpus. Perplexity: 256-token chunks of the last 10%
+(held out). Every MoE layer of every row has 8 experts (for splits with a shared expert: 1 shared + 7 routed, so "k/8
+active" keeps k experts' worth of neurons per token). Routers:
+
+    random    top-k of x . W for a seeded Gaussian W, selected experts weight 1
+    kmeans    top-k of x . C for balanced k-means centroids C of the calibration MLP inputs, weight 1
+    selector  G-MoEfication's trained selector (router_type="selector", weight 1), trained for the row's
+              compensation setting
+    oracle    per token, the experts with the largest deviation energy (`gmoefication.oracle_top_k`); no router does
+              better, it is the reference the selector is measured against
+
+All rows use unit weights for the selected experts (what G-MoEfication's compensation identity assumes); random and
+k-means are applied with forward hooks on the router (evaluation only). Everything is built in memory.
+
+    python benchmarks/quality.py                                # the full table of docs/quality.md
+    python benchmarks/quality.py --splits random cluster --active 6 7 --chunks 4
+"""
+
+import argparse
+import contextlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf.conversion import gmoefication
+from llama_moe_hf.conversion.calibration import collect_calibration, tokenize_calibration
+from llama_moe_hf.conversion.construction import construct_splits, kmeans_router
+from llama_moe_hf.conversion.convert import _DROPPED_CONFIG_KEYS
+from llama_moe_hf.conversion.corpus import stdlib_docstrings
+from llama_moe_hf.conversion.default_model import default_model_path
+from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
+
+NUM_EXPERTS = 8
+SEQ_LEN = 256
+QUESTION = "What is the capital of France?"
+SHARED = {"random": 0, "cluster": 0, "sharing-inter": 1, "residual": 1}  # shared experts of each split
+ROUTERS = ("random", "kmeans", "selector", "oracle")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@torch.no_grad()
+def perplexity(model, chunks: torch.Tensor, batch_size: int = 4) -> float:
+    nll = count = 0
+    for start in range(0, chunks.shape[0], batch_size):
+        batch = chunks[start : start + batch_size]
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        nll += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def chat_answer(model, tokenizer, max_new_tokens: int) -> str:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+@contextlib.contextmanager
+def linear_routing(model, weights: dict[int, torch.Tensor]):
+    """Route each MoE layer by top-k of x . W_layer with unit weights (forward hooks on the routers)."""
+
+    def hook(router, args, output, weight):
+        index = (args[0].float() @ weight.T).topk(router.top_k, dim=-1).indices
+        return output[0], torch.ones(index.shape, dtype=output[1].dtype), index
+
+    handles = [
+        model.model.layers[i].mlp.gate.register_forward_hook(lambda r, a, o, w=w: hook(r, a, o, w))
+        for i, w in weights.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def build_moe(dense, splits, layer_tensors) -> LlamaMoEForCausalLM:
+    """A LlamaMoE model (selector router, compensation on) holding the dense weights cut by `splits`."""
+    split = next(iter(splits.values()))
+    fields = {k: v for k, v in dense.config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS}
+    config = LlamaMoEConfig(
+        **fields,
+        num_experts=split.num_experts,
+        num_experts_per_tok=1,
+        moe_intermediate_size=split.expert_size,
+        num_shared_experts=1 if split.shared_neurons is not None else 0,
+        shared_expert_intermediate_size=split.shared_neurons.numel() if split.shared_neurons is not None else None,
+        router_type="selector",
+        moe_compensation=True,
+    )
+    state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
+    for i, tensors in layer_tensors.items():
+        state.update({f"model.layers.{i}.mlp.{name}": tensor for name, tensor in tensors.items()})
+    model = LlamaMoEForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
+        raise RuntimeError(f"State dict mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splits", nargs="+", default=list(SHARED), choices=list(SHARED))
+    parser.add_argument("--active", nargs="+", type=int, default=[2, 4, 6, 7])
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--compensation", nargs="+", default=["on", "off"], choices=["on", "off"])
+    parser.add_argument("--chunks", type=int, default=2, help="held-out 256-token chunks for perplexity")
+    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--hidden-samples", type=int, default=1024, help="MLP inputs per layer for selector/k-means")
+    parser.add_argument("--selector-steps", type=int, default=200)
+    parser.add_argument("--chat-active", nargs="*", type=int, default=[6, 7], help="active counts with a chat answer")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.time()
+
+    path = default_model_path()
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = stdlib_docstrings()
+    cut = int(0.9 * len(texts))
+    calibration_ids = tokenize_calibration(texts[:cut], tokenizer, args.calibration_tokens, SEQ_LEN)
+    eval_ids = tokenize_calibration(texts[cut:], tokenizer, args.chunks * SEQ_LEN, SEQ_LEN)
+    layers = list(range(dense.config.num_hidden_layers))
+    log(f"calibration {calibration_ids.numel()} tokens, held-out {eval_ids.numel()} tokens ({len(texts) - cut} docs)")
+
+    dense_ppl = perplexity(dense, eval_ids)
+    dense_answer = chat_answer(dense, tokenizer, args.max_new_tokens)
+    log(f"dense perplexity {dense_ppl:.2f}: {dense_answer!r}")
+    stats = collect_calibration(dense, calibration_ids, layers, max_hidden_samples=args.hidden_samples)
+    kmeans_routers = {}  # routed experts -> {layer: centroids}
+
+    rows, selector_quality = [], {}
+    for method in args.splits:
+        shared = SHARED[method]
+        routed = NUM_EXPERTS - shared
+        log(f"--- split {method} ({routed} routed + {shared} shared)")
+        if method == "random":
+            splits = {i: split_random(dense.config.intermediate_size, routed, shared, seed=i) for i in layers}
+            routers = {}
+        else:
+            splits, routers = construct_splits(
+                dense,
+                method,
+                layers,
+                num_experts=routed,
+                num_shared_experts=shared,
+                input_ids=calibration_ids,
+                **({"cluster_on": "gate"} if method == "cluster" else {}),
+            )
+        if "kmeans" in args.routers and not routers:
+            if routed not in kmeans_routers:
+                log(f"balanced k-means routers ({routed} experts)")
+                kmeans_routers[routed] = {i: kmeans_router(stats[i].hidden_states, routed) for i in layers}
+            routers = kmeans_routers[routed]
+
+        # Per compensation setting: the layer tensors (compensation table, selector trained for that setting).
+        layer_tensors = {False: {}, True: {}}
+        for compensation in [setting == "on" for setting in args.compensation]:
+            recalls = []
+            for i in layers:
+                mlp = dense.model.layers[i].mlp
+                weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+                tensors = build_expert_tensors(*weights, splits[i])
+                extra, quality = gmoefication.gmoefication_tensors(
+                    stats[i].hidden_states,
+                    stats[i].mean_activation,
+                    splits[i],
+                    tensors,
+                    mlp.down_proj.weight,
+                    compensation=compensation,
+                    selector="selector" in args.routers,
+                    top_k=max(args.active) - shared,
+                    selector_steps=args.selector_steps,
+                )
+                # One model class for both settings: a zero table is exactly "no compensation".
+                extra.setdefault("compensation", torch.zeros(routed, dense.config.hidden_size))
+                layer_tensors[compensation][i] = {**tensors, **extra}
+                recalls.append(quality)
+            if recalls and recalls[0]:
+                selector_quality[(method, compensation)] = {
+                    key: sum(q[key] for q in recalls) / len(recalls) for key in recalls[0]
+                }
+                log(
+                    f"selector ({'with' if compensation else 'no'} compensation) {selector_quality[(method, compensation)]}"
+                )
+
+        for compensation in [setting == "on" for setting in args.compensation]:
+            model = build_moe(dense, splits, layer_tensors[compensation])
+            means = {
+                i: stats[i].mean_activation[splits[i].expert_neurons]
+                if compensation
+                else torch.zeros(splits[i].expert_neurons.shape)
+                for i in layers
+            }
+            random_weights = {
+                i: torch.randn(routed, dense.config.hidden_size, generator=torch.Generator().manual_seed(i))
+                for i in layers
+            }
+            linear_weights = {"random": random_weights, "kmeans": routers}
+            for active in args.active:
+                for layer in model.model.layers:
+                    layer.mlp.gate.top_k = active - shared
+                for router in args.routers:
+                    if router == "oracle":
+                        routing = gmoefication.oracle_routing(model, means)
+                    elif router == "selector":
+                        routing = contextlib.nullcontext()  # the model's own selector router
+                    else:
+                        routing = linear_routing(model, linear_weights[router])
+                    with routing:
+                        ppl = perplexity(model, eval_ids)
+                        answer = (
+                            chat_answer(model, tokenizer, args.max_new_tokens) if active in args.chat_active else ""
+                        )
+                    rows.append((method, active, compensation, router, ppl, answer))
+                    log(f"{method} {active}/8 comp={compensation} {router}: ppl {ppl:.2f} {answer!r}")
+
+    oracle = {(m, a, c): p for m, a, c, r, p, _ in rows if r == "oracle"}
+    print(f"\nDense SmolLM2-135M-Instruct: perplexity {dense_ppl:.2f}; answer: {dense_answer!r}\n")
+    print("| split | active | compensation | router | perplexity | x dense | x oracle | chat answer |")
+    print("|---|---|---|---|---|---|---|---|")
+    for method, active, compensation, router, ppl, answer in rows:
+        ref = oracle.get((method, active, compensation))
+        vs_oracle = f"{ppl / ref:.2f}" if ref else "-"
+        print(
+            f"| {method} | {active}/8 | {'on' if compensation else 'off'} | {router} | {ppl:.2f} | "
+            f"{ppl / dense_ppl:.2f} | {vs_oracle} | {answer.replace('|', '/').replace(chr(10), ' ')} |"
+        )
+    if selector_quality:
+        print("\nSelector energy recall on held-out calibration tokens (mean over layers; 1.0 = oracle):\n")
+        print("| split | selector target | top-k | selector | random choice |")
+        print("|---|---|---|---|---|")
+        for (method, compensation), quality in selector_quality.items():
+            print(
+                f"| {method} | {'deviation from mean' if compensation else 'output'} | "
+                f"{max(args.active) - SHARED[method]} | {quality['selector_recall']:.3f} | {quality['random_recall']:.3f} |"
+            )
+    target = [
+        (a, ppl / oracle[(m, a, c)])
+        for m, a, c, r, ppl, _ in rows
+        if m == "cluster" and c and r == "selector" and a in (6, 7) and (m, a, c) in oracle
+    ]
+    for active, ratio in target:
+        verdict = "met" if ratio <= 1.15 else "NOT met"
+        print(
+            f"\nTarget cluster + selector + compensation at {active}/8 within 1.15x of the oracle: {ratio:.3f}x ({verdict})"
+        )
+    log(f"total {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

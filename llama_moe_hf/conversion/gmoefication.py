@@ -1,0 +1,223 @@
+"""G-MoEfication: training-free MoE conversion of SwiGLU (non-ReLU) FFNs.
+
+A SwiGLU FFN is a sum over neurons, `down[:, j] * a_j(x)` with `a_j(x) = silu(gate_j . x) * (up_j . x)`. An expert that
+a token does not use still has nonzero activations, so dropping it loses `sum_{j in e} down[:, j] * a_j(x)`.
+G-MoEfication replaces the dropped activations by their means over calibration data, `mu_j`, which costs one stored
+vector per expert, `m_e = down_e @ mu_e` (the `[E, H]` compensation table). What is lost then is the *deviation*
+`(a_e(x) - mu_e) @ down_e^T`; its energy per expert is what a good router should rank (the oracle below does so
+exactly) and what the expert selector (MoEfication's small router network) is trained to predict.
+
+All functions take the fused expert tensors of `build_expert_tensors` (`gate_up_proj [E, 2m, H]`,
+`down_proj [E, H, m]`) and the per-expert means `expert_mean [E, m]` = `mean_activation[split.expert_neurons]`.
+"""
+
+import contextlib
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..modeling.configuration_llama_moe import LlamaMoEConfig
+from ..modeling.modeling_llama_moe import LlamaMoERouter
+from .experts import ExpertSplit
+
+logger = logging.getLogger(__name__)
+
+
+def compensation_table(split: ExpertSplit, down_proj: torch.Tensor, mean_activation: torch.Tensor) -> torch.Tensor:
+    """`[E, H]`: row e = `down_proj[:, neurons_e] @ mean_activation[neurons_e]`, expert e's output at its mean."""
+    index = split.expert_neurons  # [E, m]
+    down = down_proj.float()[:, index]  # [H, E, m]
+    return torch.einsum("hem,em->eh", down, mean_activation.float()[index]).to(down_proj.dtype)
+
+
+def deviation_energy(
+    hidden_states: torch.Tensor,  # [T, H]
+    gate_up_proj: torch.Tensor,  # [E, 2m, H]
+    down_proj: torch.Tensor,  # [E, H, m]
+    expert_mean: torch.Tensor,  # [E, m]
+) -> torch.Tensor:
+    """`[T, E]`: squared norm of `(a_e(x) - mu_e) @ down_e^T`, the output error of replacing expert e by its mean.
+
+    Pass `expert_mean = 0` for the error of dropping an expert without compensation. Computed in float32.
+    """
+    gate, up = torch.einsum("th,efh->tef", hidden_states.float(), gate_up_proj.float()).chunk(2, dim=-1)
+    deviation = F.silu(gate) * up - expert_mean.to(gate.device, torch.float32)  # [T, E, m]
+    return torch.einsum("tem,ehm->teh", deviation, down_proj.float()).square().sum(-1)
+
+
+def oracle_top_k(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    expert_mean: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """`[T, k]` experts with the largest deviation energy: the routing no real router can beat (a reference only)."""
+    return deviation_energy(hidden_states, gate_up_proj, down_proj, expert_mean).topk(top_k, dim=-1).indices
+
+
+@contextlib.contextmanager
+def oracle_routing(model, expert_means: dict[int, torch.Tensor]):
+    """Within the context, every MoE layer of `model` routes with `oracle_top_k` and unit weights (evaluation only).
+
+    `expert_means[layer]` is that layer's `[E, m]` mean activation (zeros: the oracle for no compensation). Forward
+    hooks replace each router's `(logits, weights, index)`, so the block's experts and compensation use the oracle's
+    choice.
+    """
+
+    def hook(router, args, output, layer_idx):
+        experts = model.model.layers[layer_idx].mlp.experts
+        index = oracle_top_k(args[0], experts.gate_up_proj, experts.down_proj, expert_means[layer_idx], router.top_k)
+        return output[0], torch.ones(index.shape, dtype=output[1].dtype, device=index.device), index
+
+    handles = [
+        model.model.layers[layer_idx].mlp.gate.register_forward_hook(
+            lambda router, args, output, layer_idx=layer_idx: hook(router, args, output, layer_idx)
+        )
+        for layer_idx in expert_means
+    ]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def selector_targets(energy: torch.Tensor) -> torch.Tensor:
+    """Soft labels `[T, E]` in [0, 1] for the selector: `deviation_energy` divided by each token's largest one."""
+    return energy / energy.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(energy.dtype).tiny)
+
+
+def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoERouter:
+    """The model's own `"selector"` router module, so the trained state dict loads into `mlp.gate` as is."""
+    config = LlamaMoEConfig(
+        vocab_size=1,
+        bos_token_id=None,
+        eos_token_id=None,
+        hidden_size=hidden_size,
+        intermediate_size=num_experts,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        num_experts=num_experts,
+        num_experts_per_tok=1,
+        router_type="selector",
+    )
+    router = LlamaMoERouter(config)
+    bound = hidden_size**-0.5  # nn.Linear's default init for the first layer; the second is an nn.Linear already
+    torch.nn.init.uniform_(router.weight, -bound, bound)
+    torch.nn.init.uniform_(router.bias, -bound, bound)
+    return router
+
+
+def selector_scores(state_dict: dict[str, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` selector scores (logits) of a trained selector state dict."""
+    num_experts, hidden_size = state_dict["weight"].shape
+    router = _selector_router(hidden_size, num_experts)
+    router.load_state_dict(state_dict)
+    with torch.no_grad():
+        return router(hidden_states)[0]
+
+
+def selector_loss(state_dict: dict[str, torch.Tensor], hidden_states: torch.Tensor, targets: torch.Tensor) -> float:
+    """Binary cross-entropy of the selector's scores against the soft targets."""
+    return F.binary_cross_entropy_with_logits(selector_scores(state_dict, hidden_states), targets).item()
+
+
+def train_selector(
+    hidden_states: torch.Tensor,  # [T, H]
+    targets: torch.Tensor,  # [T, E]
+    num_experts: int,
+    steps: int = 300,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Fit MoEfication's selector `Linear(H, E) -> tanh -> Linear(E, E)` to the soft targets (BCE, full-batch Adam).
+
+    Deterministic for a given seed. Returns the router's state dict (`weight`, `bias`, `selector.weight`,
+    `selector.bias`), to be loaded as `mlp.gate` of a `router_type="selector"` layer.
+    """
+    if targets.shape != (hidden_states.shape[0], num_experts):
+        raise ValueError(
+            f"Selector targets must be [tokens, num_experts] = [{hidden_states.shape[0]}, {num_experts}], "
+            f"got {list(targets.shape)}."
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        router = _selector_router(hidden_states.shape[1], num_experts)
+    hidden_states, targets = hidden_states.detach().float().cpu(), targets.detach().float().cpu()
+    optimizer = torch.optim.Adam(router.parameters(), lr=lr)
+    # The network is tiny: one thread avoids the per-op sync of a thread pool, which dominates on a busy CPU
+    # (150 steps on 1000 tokens: 3 s with one thread, 74 s with two on a loaded 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.binary_cross_entropy_with_logits(router(hidden_states)[0], targets)
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: tensor.detach().clone() for name, tensor in router.state_dict().items()}
+
+
+def energy_recall(scores: torch.Tensor, energy: torch.Tensor, top_k: int) -> float:
+    """Deviation energy the top-k of `scores` covers, as a fraction of what the oracle's top-k covers (1 = oracle)."""
+    chosen = energy.gather(1, scores.topk(top_k, dim=-1).indices).sum()
+    return (chosen / energy.topk(top_k, dim=-1).values.sum()).item()
+
+
+def gmoefication_tensors(
+    hidden_states: torch.Tensor,  # [n, H] calibration MLP inputs
+    mean_activation: torch.Tensor,  # [I]
+    split: ExpertSplit,
+    expert_tensors: dict[str, torch.Tensor],
+    down_proj: torch.Tensor,  # [H, I] of the dense FFN
+    *,
+    compensation: bool,
+    selector: bool,
+    top_k: int,
+    selector_steps: int = 300,
+    selector_lr: float = 1e-2,
+    seed: int = 0,
+    holdout: float = 0.1,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The G-MoEfication tensors of one layer, keyed by their names under `mlp.` (`compensation`, `gate.*`), and
+    the selector's held-out quality.
+
+    The selector is trained on the first `1 - holdout` of the calibration tokens; its `energy_recall` at `top_k` on
+    the rest is returned (and logged) next to a random router's (`{"selector_recall", "random_recall"}`, empty
+    without a selector or holdout), so a bad fit shows.
+    """
+    tensors, quality = {}, {}
+    if compensation:
+        tensors["compensation"] = compensation_table(split, down_proj, mean_activation)
+    if selector:
+        # Without compensation a dropped expert loses its whole output: the target is its plain output energy.
+        expert_mean = mean_activation[split.expert_neurons] if compensation else torch.zeros(split.expert_neurons.shape)
+        gate_up_proj, experts_down = expert_tensors["experts.gate_up_proj"], expert_tensors["experts.down_proj"]
+        energy = deviation_energy(hidden_states, gate_up_proj, experts_down, expert_mean)
+        targets = selector_targets(energy)
+        num_train = max(1, round(hidden_states.shape[0] * (1 - holdout)))
+        state = train_selector(
+            hidden_states[:num_train], targets[:num_train], split.num_experts, selector_steps, selector_lr, seed
+        )
+        if num_train < hidden_states.shape[0]:
+            held_out = hidden_states[num_train:]
+            generator = torch.Generator().manual_seed(seed)
+            random_scores = torch.rand(held_out.shape[0], split.num_experts, generator=generator)
+            quality = {
+                "selector_recall": energy_recall(selector_scores(state, held_out), energy[num_train:], top_k),
+                "random_recall": energy_recall(random_scores, energy[num_train:], top_k),
+            }
+            logger.info(
+                "selector energy recall at top-%d on %d held-out tokens: %.3f (random router %.3f)",
+                top_k,
+                held_out.shape[0],
+                quality["selector_recall"],
+                quality["random_recall"],
+            )
+        tensors.update({f"gate.{name}": tensor for name, tensor in state.items()})
+    return tensors, quality

@@ -1,0 +1,524 @@
+"""AttnMoE: attention heads as experts under grouped-query attention (LLaMA-MoE v2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from llama_moe_hf import AttnMoEForCausalLM
+from llama_moe_hf.conversion.attention import (
+    attn_moe_config,
+    attn_moe_from_dense,
+    build_attention_tensors,
+    expert_output_norms,
+    fit_attention_routers,
+    init_attention_router,
+)
+from llama_moe_hf.conversion.experts import split_random
+from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
+
+# (query heads, KV heads, hidden size): 32/8-style and 9/3-style grouped-query attention.
+GQA_SHAPES = [(32, 8, 128), (9, 3, 72)]
+
+
+def dense_model(num_heads=8, num_kv_heads=2, hidden_size=64, seed=0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = tiny_llama_config(
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, hidden_size=hidden_size, **overrides
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def all_experts(num_experts: int, **fields) -> dict:
+    """Every expert selected with unit weight: top-k = E, uniform router (weights 1/E), scale factor E."""
+    return dict(
+        num_attention_experts=num_experts,
+        num_attention_experts_per_tok=num_experts,
+        attention_score_scale_factor=float(num_experts),
+        **fields,
+    )
+
+
+def batch_of_ids(vocab_size=128, batch=2, length=12, seed=1) -> torch.LongTensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config: groupings and top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_granularity_is_inferred_and_checked(tiny_config):
+    config = attn_moe_config(tiny_config, num_attention_experts=2)  # 8 query heads / 2 KV heads
+    assert (config.attention_expert_granularity, config.heads_per_attention_expert) == ("kv_group", 4)
+    config = attn_moe_config(tiny_config, num_attention_experts=8, num_attention_experts_per_tok=3)
+    assert (config.attention_expert_granularity, config.heads_per_attention_expert) == ("query_heads", 1)
+    # MLP dense by default: the MoE fields describe the attention routers (what TRL's aux loss reads).
+    assert config.moe_layers == [] and (config.num_experts, config.num_experts_per_tok) == (8, 3)
+    assert config.attention_moe_layers == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_attention_experts=3), r"Valid counts: \[2, 4, 8\]"),  # 3 does not divide the heads
+        (dict(num_attention_experts=4, attention_expert_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
+        (dict(num_attention_experts=1, attention_expert_granularity="query_heads"), "split a KV head"),
+        (dict(num_attention_experts=2, attention_expert_granularity="heads"), "Unknown attention_expert_granularity"),
+        (dict(num_attention_experts=4, num_attention_experts_per_tok=5), r"between 1 and num_attention_experts=4"),
+        (dict(num_attention_experts=4, num_attention_experts_per_tok=0), r"between 1 and num_attention_experts=4"),
+        (dict(attention_router_type="best"), "Unknown attention_router_type"),
+        (dict(attention_score_scale_factor=[1.0, 2.0, 3.0]), "one value per layer"),
+        (dict(attention_moe_layers=[0, 5]), r"attention_moe_layers \[5\] are outside"),
+    ],
+)
+def test_bad_settings_give_one_clear_error(tiny_config, fields, message):
+    with pytest.raises(ValueError, match=message):
+        attn_moe_config(tiny_config, **fields)
+
+
+def test_grouping_that_splits_a_kv_head_is_refused():
+    # 12 query heads / 3 KV heads (groups of 4): 2 experts of 6 heads would cut group 1 in half.
+    config = tiny_llama_config(num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ValueError, match="split a KV head"):
+        attn_moe_config(config, num_attention_experts=2, attention_expert_granularity="query_heads")
+    with pytest.raises(ValueError, match=r"Valid counts: \[1, 3\]"):
+        attn_moe_config(config, num_attention_experts=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact invariants
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, hidden_size", GQA_SHAPES)
+def test_all_experts_with_unit_weights_is_the_dense_model(num_heads, num_kv_heads, hidden_size):
+    dense = dense_model(num_heads, num_kv_heads, hidden_size)
+    ids = batch_of_ids()
+    with torch.no_grad():
+        expected = dense(ids).logits
+    counts = {c for g in ("kv_group", "query_heads") for c in _valid_counts(num_heads, num_kv_heads, g)}
+    assert len(counts) >= 3  # e.g. 9/3: 1 or 3 whole groups, or single query heads
+    for num_experts in sorted(counts):
+        model = attn_moe_from_dense(dense, router_init="zero", **all_experts(num_experts))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=0)
+
+
+def _valid_counts(num_heads, num_kv_heads, granularity):
+    from llama_moe_hf.modeling.configuration_attn_moe import valid_attention_expert_counts
+
+    return valid_attention_expert_counts(num_heads, num_kv_heads, granularity)
+
+
+@pytest.mark.parametrize("num_experts, top_k, router_type", [(2, 1, "top_k"), (4, 2, "switch"), (8, 3, "top_k")])
+def test_output_is_the_weighted_sum_of_expert_outputs(num_experts, top_k, router_type):
+    """Against an independent reference: dense LlamaAttention per-head outputs, each expert through its o_proj slice."""
+    dense = dense_model()
+    model = attn_moe_from_dense(
+        dense, router_init="random", num_attention_experts=num_experts, num_attention_experts_per_tok=top_k,
+        attention_router_type=router_type, attention_score_scale_factor=1.7,
+    )
+    attention = model.model.layers[0].self_attn
+    torch.nn.init.normal_(attention.gate.weight, std=1.0)  # decisive routing
+    hidden = torch.randn(2, 7, 64)
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(7)[None])
+    mask = torch.full((7, 7), float("-inf")).triu(1)[None, None]
+
+    heads = {}
+    dense_attention = dense.model.layers[0].self_attn
+    handle = dense_attention.o_proj.register_forward_pre_hook(lambda m, args: heads.update(x=args[0]))
+    with torch.no_grad():
+        dense_attention(hidden, position_embeddings=position_embeddings, attention_mask=mask)
+        output, _ = attention(hidden, position_embeddings=position_embeddings, attention_mask=mask)
+        _, weights, index = attention.gate(hidden)
+    handle.remove()
+
+    per_head = heads["x"].reshape(14, num_experts, -1)  # [T, E, n*D]
+    o_proj = dense_attention.o_proj.weight.view(64, num_experts, -1)  # [H, E, n*D]
+    reference = torch.zeros(14, 64)
+    for token in range(14):
+        for weight, expert in zip(weights[token], index[token]):
+            reference[token] += 1.7 * weight * (o_proj[:, expert] @ per_head[token, expert])
+    torch.testing.assert_close(output.reshape(14, 64), reference, atol=1e-5, rtol=1e-5)
+    if router_type == "top_k":
+        assert torch.allclose(weights.sum(-1), torch.ones(14))
+
+
+def test_smollm2_all_experts_is_the_dense_model(smollm2, real_text):
+    dense, tokenizer = smollm2
+    ids = tokenizer(real_text[:2], return_tensors="pt", padding=True, truncation=True, max_length=32)
+    with torch.no_grad():
+        expected = dense(**ids).logits
+    for num_experts in (3, 9):  # whole KV groups (3 heads each); single query heads
+        model = attn_moe_from_dense(dense, router_init="zero", **all_experts(num_experts))
+        with torch.no_grad():
+            logits = model(**ids).logits
+        mask = ids["attention_mask"].bool()
+        torch.testing.assert_close(logits[mask], expected[mask], atol=1e-4, rtol=0)
+        del model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache, batching, attention implementations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def routed_smollm2(smollm2):
+    """SmolLM2 with 9 attention experts (one query head each), top-6, random routers, scale 6 (kept heads ~ unit)."""
+    model = attn_moe_from_dense(
+        smollm2[0], router_init="random", num_attention_experts=9, num_attention_experts_per_tok=6,
+        attention_score_scale_factor=6.0, seed=3,
+    )
+    return model, smollm2[1]
+
+
+def test_generation_with_cache_equals_without(routed_smollm2):
+    model, tokenizer = routed_smollm2
+    ids = tokenizer(["The standard library module for regular expressions is"], return_tensors="pt")
+    with torch.no_grad():
+        cached = model.generate(**ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=True)
+        uncached = model.generate(**ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=False)
+        # And the logits of a cached step equal those of the full forward.
+        full = model(cached).logits[0, -1]
+        prefix = model(cached[:, :-1], use_cache=True)
+        step = model(cached[:, -1:], past_key_values=prefix.past_key_values).logits[0, -1]
+    assert torch.equal(cached, uncached)
+    # Routing is identical; this untrained model's ~1000-sized activations on the last token amplify float32 noise
+    # to ~3e-3 (1e-4 relative). A wrong cache would be off by whole logits.
+    torch.testing.assert_close(step, full, atol=1e-2, rtol=0)
+
+
+def test_cached_decoding_equals_the_full_forward_tiny():
+    model = attn_moe_from_dense(dense_model(), num_attention_experts=8, num_attention_experts_per_tok=3)
+    ids = batch_of_ids(length=12)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        steps = [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(8, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 8:], atol=1e-5, rtol=0)
+
+
+def test_left_padded_batch_generation_equals_one_by_one(routed_smollm2):
+    model, tokenizer = routed_smollm2
+    prompts = ["Return the absolute value of a number.", "Open a file and return a stream for it, in text mode"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    assert (batch["attention_mask"] == 0).any()
+    fixed_length = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)  # no early stop at EOS
+    with torch.no_grad():
+        batched = model.generate(**batch, **fixed_length)
+        for row, prompt in enumerate(prompts):
+            single = model.generate(**tokenizer([prompt], return_tensors="pt"), **fixed_length)
+            assert batched[row, -5:].tolist() == single[0, -5:].tolist()
+
+
+def test_beam_search_with_cache_equals_without():
+    # Large init: decisive logits, so the beams do not hinge on float noise.
+    dense = dense_model(initializer_range=0.5)
+    model = attn_moe_from_dense(dense, num_attention_experts=4, num_attention_experts_per_tok=2, router_init="random")
+    ids = batch_of_ids(batch=1, length=6)
+    beams = dict(max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **beams)
+        uncached = model.generate(ids, use_cache=False, **beams)
+    assert torch.equal(cached, uncached)
+
+
+def test_eager_equals_sdpa_with_padding():
+    dense = dense_model()
+    model = attn_moe_from_dense(dense, num_attention_experts=4, num_attention_experts_per_tok=2)
+    ids = batch_of_ids(length=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    outputs = {}
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(outputs["eager"][keep], outputs["sdpa"][keep], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Router logits and aux loss (model forward and TRL's fused head)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_attention_only_router_logits_and_aux_loss_match_trl():
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = attn_moe_from_dense(dense_model(), num_attention_experts=4, num_attention_experts_per_tok=2)
+    ids = batch_of_ids()
+    out = model(ids, labels=ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (24, 4)
+    assert out.attention_router_logits == out.router_logits
+    expected = load_balancing_loss_func(out.router_logits, 4, 2, None)
+    torch.testing.assert_close(out.aux_loss, expected)
+    lm_loss = model(ids, labels=ids).loss
+    torch.testing.assert_close(out.loss, lm_loss + 0.01 * expected)
+
+    add_fused_lm_head(model)  # what TRL's SFTTrainer does: it reads config.num_experts / num_experts_per_tok
+    fused = model(ids, labels=ids, fused_lm_head=True, output_router_logits=True)
+    torch.testing.assert_close(fused.aux_loss, out.aux_loss)
+    fused.loss.backward()
+    assert model.model.layers[0].self_attn.gate.weight.grad.abs().sum() > 0
+
+
+def test_combined_with_mlp_moe_reports_both_router_groups():
+    dense = dense_model()
+    splits = {i: split_random(96, 4, seed=i) for i in (0, 1)}
+    model = attn_moe_from_dense(
+        dense, num_attention_experts=2, num_attention_experts_per_tok=1, moe_layers=[0, 1], num_experts=4,
+        num_experts_per_tok=2, mlp_splits=splits, attention_moe_layers=[1],
+    )
+    ids = batch_of_ids()
+    out = model(ids, output_router_logits=True)
+    assert [t.shape for t in out.router_logits] == [(24, 4), (24, 4)]  # MLP routers
+    assert [t.shape for t in out.attention_router_logits] == [(24, 2)]  # attention router of layer 1 only
+    expected = load_balancing_loss_func(out.router_logits, 4, 2) + load_balancing_loss_func(
+        out.attention_router_logits, 2, 1
+    )
+    torch.testing.assert_close(out.aux_loss, expected)
+    assert not isinstance(model.model.layers[0].self_attn, AttnMoEAttention)
+
+
+def test_combined_all_experts_is_the_dense_model():
+    dense = dense_model()
+    splits = {i: split_random(96, 4, seed=i) for i in (0, 1)}
+    model = attn_moe_from_dense(
+        dense, router_init="zero", moe_layers=[0, 1], num_experts=4, num_experts_per_tok=4, score_scale_factor=4.0,
+        mlp_splits=splits, **all_experts(4),
+    )
+    ids = batch_of_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saving, remote code, LoRA
+# ---------------------------------------------------------------------------------------------------------------
+
+REMOTE_LOAD = """
+import sys, json, torch
+sys.modules["llama_moe_hf"] = None  # the package must not be needed
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    print(json.dumps({"module": type(model).__module__, "logits": model(ids).logits[0, -1].tolist()}))
+"""
+
+
+def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
+    dense = dense_model()
+    splits = {1: split_random(96, 4, seed=0)}
+    model = attn_moe_from_dense(
+        dense, num_attention_experts=4, num_attention_experts_per_tok=2, moe_layers=[1], num_experts=4,
+        num_experts_per_tok=1, mlp_splits=splits,
+    )
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "attn_moe"
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_attn_moe.AttnMoEForCausalLM"
+    for name in ("modeling_attn_moe.py", "configuration_attn_moe.py", "modeling_llama_moe.py"):
+        assert (tmp_path / name).is_file()
+
+    ids = batch_of_ids(batch=1)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(reloaded, AttnMoEForCausalLM)
+    with torch.no_grad():
+        expected = model(ids).logits[0, -1]
+        torch.testing.assert_close(reloaded(ids).logits[0, -1], expected)
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, str(tmp_path), json.dumps(ids.tolist())],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    assert remote["module"].startswith("transformers_modules")
+    torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-5, rtol=0)
+
+
+def test_lora_adapter_trains():
+    from peft import LoraConfig, get_peft_model
+
+    model = attn_moe_from_dense(dense_model(), num_attention_experts=4, num_attention_experts_per_tok=2).train()
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+    ids = batch_of_ids(length=16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids, output_router_logits=True).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1
+    assert model.base_model.model.model.layers[0].self_attn.gate.weight.requires_grad is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_conversion_tensors_and_errors():
+    dense_attention = {k: v for k, v in dense_model().model.layers[0].self_attn.state_dict().items()}
+    router = init_attention_router(4, 64, "random", seed=1)
+    tensors = build_attention_tensors(dense_attention, router)
+    assert set(tensors) == set(dense_attention) | {"gate.weight"}
+    assert all(tensors[k] is dense_attention[k] for k in dense_attention)  # a key copy
+    assert torch.equal(router, init_attention_router(4, 64, "random", seed=1))
+    assert not init_attention_router(4, 64, "zero").any()
+    with pytest.raises(ValueError, match="lacks"):
+        build_attention_tensors({"q_proj.weight": dense_attention["q_proj.weight"]}, router)
+    with pytest.raises(ValueError, match=r"must be \[num_experts, 64\]"):
+        build_attention_tensors(dense_attention, torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="Unknown attention router init"):
+        init_attention_router(4, 64, "kmeans")
+
+
+def test_fitted_router_prefers_the_experts_with_the_largest_outputs(smollm2, real_text):
+    dense, tokenizer = smollm2
+    ids = tokenizer(real_text[:8], return_tensors="pt", truncation=True, max_length=64, padding="max_length")
+    calibration, held_out = ids["input_ids"][:6], ids["input_ids"][6:]
+    routers = fit_attention_routers(dense, calibration, num_experts=9, layers=[3, 20])
+
+    # Held-out agreement of the fitted router's top-3 with the 3 largest expert outputs, vs 1/3 for a random pick.
+    captured = {}
+    attention = dense.model.layers[20].self_attn
+    hooks = [
+        attention.register_forward_pre_hook(lambda m, a, k: captured.update(x=k["hidden_states"]), with_kwargs=True),
+        attention.o_proj.register_forward_pre_hook(lambda m, a: captured.update(heads=a[0])),
+    ]
+    with torch.no_grad():
+        dense(held_out)
+    for hook in hooks:
+        hook.remove()
+    x = captured["x"].reshape(-1, 576)
+    norms = expert_output_norms(captured["heads"].reshape(x.shape[0], -1), attention.o_proj.weight, 9)
+    predicted = (x @ routers[20].T).topk(3).indices
+    best = norms.topk(3).indices
+    overlap = (predicted[:, :, None] == best[:, None, :]).any(-1).float().mean()
+    assert overlap > 0.5
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("num_experts, top_k", [(2, 1), (8, 3)])
+def test_gathered_implementation_equals_masked(implementation, num_experts, top_k):
+    dense = dense_model(attention_bias=True)
+    fields = dict(num_attention_experts=num_experts, num_attention_experts_per_tok=top_k)
+    masked = attn_moe_from_dense(dense, **fields)
+    gathered = attn_moe_from_dense(dense, attention_experts_implementation="gathered", **fields)
+    for model in (masked, gathered):
+        model.set_attn_implementation(implementation)
+    ids = batch_of_ids(length=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    keep = mask.bool()
+    with torch.no_grad():
+        for attention_mask in (None, mask):
+            expected = masked(ids, attention_mask=attention_mask).logits
+            got = gathered(ids, attention_mask=attention_mask).logits
+            rows = keep if attention_mask is not None else torch.ones_like(keep)
+            torch.testing.assert_close(got[rows], expected[rows], atol=1e-5, rtol=1e-5)
+        # Cached decoding, one token at a time.
+        cache = gathered(ids[:, :7], attention_mask=mask[:, :7], use_cache=True).past_key_values
+        for i in range(7, 10):
+            step = gathered(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache).logits
+            full = masked(ids[:, : i + 1], attention_mask=mask[:, : i + 1]).logits[:, -1:]
+            torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming converter: `llama-moe convert --attn-experts E --attn-top-k K [--mlp-moe ...]`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dense_folder(tmp_path_factory):
+    """A real dense checkpoint on disk (safetensors): 8 query / 2 KV heads."""
+    path = tmp_path_factory.mktemp("dense")
+    model = dense_model(seed=5)
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_converter_all_experts_reproduces_dense(tmp_path, tiny_dense_folder):
+    from llama_moe_hf.conversion import convert_to_moe
+
+    path, dense = tiny_dense_folder
+    result = convert_to_moe(
+        path, tmp_path / "out", attn_experts=8, attn_top_k=8, attn_router_init="zero", attn_score_scale_factor=8.0,
+        progress=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(result.output_dir).eval()
+    assert isinstance(model, AttnMoEForCausalLM) and model.config.moe_layers == []
+    assert model.config.attention_expert_granularity == "query_heads"
+    ids = batch_of_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
+    assert result.active_parameters == result.total_parameters  # every head active
+
+
+def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
+    from safetensors import safe_open
+
+    from llama_moe_hf.conversion import convert_to_moe
+
+    path, _ = tiny_dense_folder
+    result = convert_to_moe(
+        path, tmp_path / "out", attn_experts=2, attn_top_k=1, mlp_moe=True, num_experts=4, top_k=2, progress=False
+    )
+    out = result.output_dir
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.1.self_attn.gate.weight").shape == (2, 64)
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"} <= keys
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_experts"], config["num_experts"], config["moe_layers"]) == (2, 4, [0, 1])
+    assert config["attention_score_scale_factor"] == 1.0  # default: the attention top-k
+    card = (out / "README.md").read_text()
+    assert "| Attention experts per layer | 2 (4 query head(s) each, granularity `kv_group`" in card
+    assert "| Routed experts per MoE layer | 4 |" in card and "attention-moe" in card
+    # Active parameters: half of q_proj/o_proj (1 of 2 attention experts), half of the MLP experts (2 of 4).
+    q_and_o = 2 * 2 * 64 * 64
+    experts = 2 * 3 * 96 * 64
+    assert result.total_parameters - result.active_parameters == q_and_o // 2 + experts // 2
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model(batch_of_ids(), output_router_logits=True).aux_loss is not None
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(attn_experts=3), r"Valid counts: \[2, 4, 8\]"),
+        (dict(attn_experts=4, attn_top_k=5), "between 1 and num_attention_experts=4"),
+        (dict(attn_experts=4, num_experts=4), "--num-experts shape an MLP MoE; add --mlp-moe"),
+        (dict(attn_experts=4, attn_router_init="kmeans"), "Unknown --attn-router-init"),
+        (dict(attn_experts=4, attn_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
+    ],
+)
+def test_converter_bad_attention_options(tmp_path, tiny_dense_folder, options, message):
+    from llama_moe_hf.conversion import convert_to_moe
+
+    with pytest.raises(ValueError, match=message):
+        convert_to_moe(tiny_dense_folder[0], tmp_path / "out", progress=False, **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_attention_flags(tmp_path, tiny_dense_folder):
+    from llama_moe_hf.cli import main
+
+    out = tmp_path / "cli"
+    args = ["convert", "--model", str(tiny_dense_folder[0]), "--output", str(out), "--no-progress"]
+    assert main(args + ["--attn-experts", "4", "--attn-top-k", "2", "--attn-score-scale-factor", "1.5"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_experts_per_tok"], config["attention_score_scale_factor"]) == (2, 1.5)
+    assert main(args + ["--attn-experts", "3"]) == 2  # one `error:` line, no traceback

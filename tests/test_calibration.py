@@ -1,0 +1,176 @@
+"""Calibration data loading, tokenisation and the streaming statistics pass."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from llama_moe_hf.conversion.calibration import collect_calibration, load_calibration_texts, tokenize_calibration
+
+from conftest import tiny_llama_config
+
+DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
+
+
+def test_builtin_corpus_is_the_default():
+    texts, description = load_calibration_texts(None)
+    assert len(texts) > 500 and all(text.strip() for text in texts)
+    assert description == f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
+
+
+def _write(path, suffix):
+    if suffix == ".txt":
+        path.write_text(DOCS[0])
+    elif suffix == ".json":
+        path.write_text(json.dumps({"data": [{"text": d, "id": i} for i, d in enumerate(DOCS)]}))
+    elif suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps({"content": d, "id": 1}) for d in DOCS) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": DOCS, "n": [1, 2, 3]}), path)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".json", ".jsonl", ".parquet"])
+def test_local_files_and_folders(tmp_path, suffix):
+    file = tmp_path / f"data{suffix}"
+    _write(file, suffix)
+    texts, description = load_calibration_texts(str(file))
+    assert texts == (DOCS[:1] if suffix == ".txt" else DOCS)
+    assert str(file) in description
+    (tmp_path / "ignored.csv").write_text("a,b\n")
+    folder_texts, folder_description = load_calibration_texts(str(tmp_path))
+    assert folder_texts == texts and "1 files" in folder_description
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.txt", "", "holds no text"),
+        ("blank.jsonl", "\n\n", "holds no text"),
+        ("broken.json", "[{", "is not valid JSON"),
+        ("rows.jsonl", '{"a": "x", "b": "y"}\n', "cannot tell which field holds the text"),
+        ("data.csv", "a,b", "must end in one of"),
+    ],
+)
+def test_bad_local_files(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_calibration_texts(str(tmp_path / name))
+
+
+def test_empty_folder(tmp_path):
+    with pytest.raises(ValueError, match="holds no"):
+        load_calibration_texts(str(tmp_path))
+
+
+def test_unknown_dataset_gives_a_clear_error(monkeypatch):
+    # The real datasets loader with the Hub unreachable (offline mode: no network retries).
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="not a local file or folder, and datasets.load_dataset"):
+        load_calibration_texts("no-such-org/no-such-dataset")
+
+
+def test_dataset_names_go_through_the_loader_seam():
+    calls = []
+
+    def fake_hub(path, config, split, streaming):
+        calls.append((path, config, split, streaming))
+        return iter({"text": f"row {i} " * 10, "meta": i} for i in range(1000))
+
+    texts, description = load_calibration_texts("org/corpus:en", max_chars=200, dataset_loader=fake_hub)
+    assert calls == [("org/corpus", "en", "train", True)]
+    assert 2 <= len(texts) <= 4 and texts[0].startswith("row 0")  # streaming stops after max_chars
+    assert "'org/corpus:en'" in description
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def test_tokenize_packs_documents_with_eos(tokenizer):
+    ids = tokenize_calibration(DOCS * 10, tokenizer, num_tokens=64, seq_len=16)
+    assert ids.shape == (4, 16) and ids.dtype == torch.long
+    first = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]
+    assert ids.flatten()[: len(first) + 1].tolist() == first + [tokenizer.eos_token_id]
+    assert torch.equal(ids, tokenize_calibration(DOCS * 10, tokenizer, num_tokens=64, seq_len=16))
+
+
+def test_tokenize_rejects_text_shorter_than_a_sequence(tokenizer):
+    with pytest.raises(ValueError, match="fewer than one sequence of 512"):
+        tokenize_calibration(DOCS, tokenizer, num_tokens=4096, seq_len=512)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        tokenize_calibration(DOCS, tokenizer, num_tokens=8, seq_len=16)
+
+
+@pytest.fixture
+def tiny_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def _reference_stats(model, input_ids, layer, groups):
+    """Independent computation: capture h with retain_grad on one full-batch pass, then average per group."""
+    captured = {}
+
+    def keep(module, args):
+        captured["h"] = args[0]
+        args[0].retain_grad()
+
+    handle = model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(keep)
+    embeds = model.model.embed_tokens(input_ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeds).logits
+    torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="sum"
+    ).backward()
+    handle.remove()
+    h = captured["h"].flatten(0, 1)
+    scores = (h * captured["h"].grad.flatten(0, 1)).abs()
+    importance = torch.stack([scores[groups == g].mean(0) for g in range(int(groups.max()) + 1)])
+    return h.detach().mean(0), importance
+
+
+def test_statistics_match_autograd_and_ignore_batch_size(tiny_model):
+    input_ids = torch.randint(0, 128, (6, 12), generator=torch.Generator().manual_seed(1))
+    sequence_groups = torch.tensor([0, 1, 2, 0, 1, 2])
+    runs = [
+        collect_calibration(
+            tiny_model, input_ids, [0, 1], with_gradients=True, sequence_groups=sequence_groups, num_groups=3,
+            max_hidden_samples=30, batch_size=batch_size,
+        )
+        for batch_size in (1, 4)
+    ]
+    # The model is left as it was: no parameter gradients, flags restored.
+    assert all(p.grad is None and p.requires_grad for p in tiny_model.parameters())
+    mean, importance = _reference_stats(tiny_model, input_ids, 1, sequence_groups.repeat_interleave(12))
+    for stats in runs:
+        torch.testing.assert_close(stats[1].mean_activation, mean, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(stats[1].importance, importance, atol=1e-7, rtol=1e-4)
+        assert stats[1].group_counts.tolist() == [24, 24, 24]
+        assert stats[0].hidden_states.shape == (30, 64)
+    assert torch.equal(runs[0][0].hidden_states, runs[1][0].hidden_states)  # same sampled positions
+
+
+def test_token_groups_and_hidden_samples(tiny_model):
+    input_ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(2))
+    parity = lambda layer, x: (x[:, 0] > 0).long()  # noqa: E731
+    stats = collect_calibration(
+        tiny_model, input_ids, [1], with_gradients=True, token_groups=parity, num_groups=2, max_hidden_samples=100
+    )[1]
+    samples = stats.hidden_states  # every token when the sample is larger than the data
+    assert samples.shape == (24, 64)
+    assert stats.group_counts.tolist() == [int((samples[:, 0] <= 0).sum()), int((samples[:, 0] > 0).sum())]
+    without_gradients = collect_calibration(tiny_model, input_ids, [1], max_hidden_samples=100)[1]
+    assert without_gradients.importance is None
+    torch.testing.assert_close(without_gradients.hidden_states, samples)
+    with pytest.raises(ValueError, match="group ids in"):
+        collect_calibration(tiny_model, input_ids, [1], with_gradients=True, token_groups=parity, num_groups=1)
+    with pytest.raises(ValueError, match="outside 0..1"):
+        collect_calibration(tiny_model, input_ids, [2])

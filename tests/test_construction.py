@@ -1,0 +1,399 @@
+"""Calibration-based expert construction: balanced clustering, importance splits, split files, layer patterns."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama_config
+from transformers import LlamaForCausalLM
+
+from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.construction import (
+    assign_by_importance,
+    balanced_kmeans,
+    check_loaded_split,
+    construct_splits,
+    load_splits,
+    parse_moe_layers,
+    save_splits,
+    split_cluster,
+    split_sharing_inner,
+    split_sharing_inter,
+)
+from llama_moe_hf.conversion.convert import _DROPPED_CONFIG_KEYS
+from llama_moe_hf.conversion.experts import ExpertSplit, build_expert_tensors
+from llama_moe_hf.modeling import LlamaMoEConfig
+from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
+
+
+def assert_partition(split: ExpertSplit, intermediate_size: int):
+    parts = [split.expert_neurons.flatten()]
+    if split.shared_neurons is not None:
+        parts.append(split.shared_neurons)
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(intermediate_size))
+
+
+def planted_rows(num_groups=4, per_group=8, dim=16, seed=0):
+    """Rows around `num_groups` random directions, shuffled; returns (rows [n, dim], true group [n])."""
+    g = torch.Generator().manual_seed(seed)
+    directions = F.normalize(torch.randn(num_groups, dim, generator=g), dim=1)
+    groups = torch.arange(num_groups).repeat_interleave(per_group)
+    order = torch.randperm(groups.numel(), generator=g)
+    groups = groups[order]
+    noise = 0.05 * torch.randn(groups.numel(), dim, generator=g)
+    rows = (directions[groups] + noise) * (1 + torch.rand(groups.numel(), 1, generator=g))  # norms vary
+    return rows, groups
+
+
+def same_grouping(expert_neurons: torch.Tensor, truth: torch.Tensor) -> bool:
+    return all(truth[row].unique().numel() == 1 for row in expert_neurons)
+
+
+def test_balanced_kmeans_is_balanced_deterministic_and_finds_clusters():
+    rows, truth = planted_rows()
+    labels, centroids = balanced_kmeans(rows, 4, seed=3)
+    assert torch.bincount(labels).tolist() == [8, 8, 8, 8] and centroids.shape == (4, 16)
+    assert torch.equal(labels, balanced_kmeans(rows, 4, seed=3)[0])
+    assert all(truth[labels == c].unique().numel() == 1 for c in range(4))
+    uneven, _ = balanced_kmeans(rows[:30], 4)
+    assert sorted(torch.bincount(uneven).tolist()) == [7, 7, 8, 8]
+    with pytest.raises(ValueError, match="at least 4 points"):
+        balanced_kmeans(rows[:3], 4)
+
+
+@pytest.mark.parametrize("cluster_on", ["gate", "up", "both"])
+def test_split_cluster_groups_rows_that_point_the_same_way(cluster_on):
+    rows, truth = planted_rows()
+    noise = torch.randn(rows.shape, generator=torch.Generator().manual_seed(9))
+    gate, up = (rows, noise) if cluster_on == "gate" else (noise, rows) if cluster_on == "up" else (rows, rows)
+    split = split_cluster(gate, up, 4, cluster_on=cluster_on)
+    assert_partition(split, 32)
+    assert split.expert_neurons.shape == (4, 8) and split.shared_neurons is None
+    assert same_grouping(split.expert_neurons, truth)
+    assert torch.equal(split.expert_neurons, split_cluster(gate, up, 4, cluster_on=cluster_on).expert_neurons)
+
+
+def test_split_cluster_errors():
+    rows, _ = planted_rows()
+    with pytest.raises(ValueError, match="--cluster-on must be one of"):
+        split_cluster(rows, rows, 4, cluster_on="down")
+    with pytest.raises(ValueError, match="not divisible by 5"):
+        split_cluster(rows, rows, 5)
+
+
+def planted_importance(num_groups=4, intermediate_size=32, seed=0):
+    """Random importances where neurons 0..3 matter to every group, neuron 4+g mostly to group g."""
+    importance = torch.rand(num_groups, intermediate_size, generator=torch.Generator().manual_seed(seed))
+    importance[:, :4] += 5
+    for g in range(num_groups):
+        importance[g, 4 + g] += 3
+    return importance
+
+
+def test_sharing_inner_takes_each_groups_top_neurons():
+    importance = planted_importance()
+    split = split_sharing_inner(importance, expert_size=10)
+    assert split.expert_neurons.shape == (4, 10) and split.shared_neurons is None
+    for g in range(4):
+        assert set(split.expert_neurons[g].tolist()) == set(importance[g].topk(10).indices.tolist())
+        assert {0, 1, 2, 3, 4 + g} <= set(split.expert_neurons[g].tolist())  # the documented overlap
+    with pytest.raises(ValueError, match="between 1 and 32"):
+        split_sharing_inner(importance, expert_size=33)
+
+
+def test_sharing_inter_puts_the_most_shared_neurons_in_the_shared_expert():
+    importance = planted_importance(num_groups=3, intermediate_size=24)
+    split = split_sharing_inter(importance, num_shared_experts=1)
+    assert_partition(split, 24)
+    assert split.expert_neurons.shape == (3, 6) and split.shared_neurons.shape == (6,)
+    assert {0, 1, 2, 3} <= set(split.shared_neurons.tolist())
+    for g in range(3):  # each group's favourite neuron stays with its expert unless it is shared
+        assert 4 + g in split.expert_neurons[g] or 4 + g in split.shared_neurons
+    assert torch.equal(split.expert_neurons, split_sharing_inter(importance, 1).expert_neurons)
+    no_shared = split_sharing_inter(importance, num_shared_experts=0)
+    assert_partition(no_shared, 24)
+    assert no_shared.shared_neurons is None and no_shared.expert_neurons.shape == (3, 8)
+
+
+def test_assign_by_importance_is_a_balanced_partition():
+    importance = torch.zeros(2, 6)
+    importance[0, [0, 1, 2, 3]] = 1.0  # expert 0 wants four neurons but has room for three
+    importance[1, 5] = 1.0
+    neurons = torch.arange(6)
+    owners = assign_by_importance(importance, neurons, expert_size=3)
+    assert owners[0].tolist() == [0, 1, 2] and owners[1].tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="Cannot partition 6 neurons"):
+        assign_by_importance(importance, neurons, expert_size=2)
+
+
+def test_split_files_round_trip(tmp_path):
+    splits = {
+        0: ExpertSplit(torch.arange(8).view(2, 4)),
+        3: ExpertSplit(torch.arange(6).view(2, 3), shared_neurons=torch.tensor([6, 7])),
+    }
+    routers = {3: torch.randn(2, 5)}
+    path = tmp_path / "sub" / "split.safetensors"
+    save_splits(path, splits, routers, metadata={"method": "residual"})
+    assert [p.name for p in path.parent.iterdir()] == ["split.safetensors"]  # no temporary file left
+    loaded, loaded_routers, metadata = load_splits(path)
+    assert loaded.keys() == splits.keys() and metadata["method"] == "residual"
+    for i in splits:
+        assert torch.equal(loaded[i].expert_neurons, splits[i].expert_neurons)
+    assert torch.equal(loaded[3].shared_neurons, splits[3].shared_neurons) and loaded[0].shared_neurons is None
+    assert torch.equal(loaded_routers[3], routers[3]) and 0 not in loaded_routers
+
+    check_loaded_split(loaded[0], 0, intermediate_size=8, num_experts=2, expert_size=4)
+    with pytest.raises(ValueError, match="needs 4 of 2"):
+        check_loaded_split(loaded[0], 0, intermediate_size=8, num_experts=4, expert_size=2)
+    with pytest.raises(ValueError, match="outside 0..5"):
+        check_loaded_split(loaded[0], 0, intermediate_size=6, num_experts=2, expert_size=4)
+
+
+def test_bad_split_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_splits(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors split file"):
+        load_splits(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(2)}, tmp_path / "weights.safetensors")
+    with pytest.raises(ValueError, match="not a llama-moe-hf split file"):
+        load_splits(tmp_path / "weights.safetensors")
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (None, list(range(8))),
+        ("all", list(range(8))),
+        ("0,2,5", [0, 2, 5]),
+        ("0-3", [0, 1, 2, 3]),
+        ("last:2", [6, 7]),
+        ("first:2, last:1", [0, 1, 7]),
+        ("every:2", [0, 2, 4, 6]),
+        ("every:3:1", [1, 4, 7]),
+        ("1,1,0-1", [0, 1]),
+    ],
+)
+def test_parse_moe_layers(spec, expected):
+    assert parse_moe_layers(spec, 8) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("8", "layers 0..7"),
+        ("last:9", "has 8 layers"),
+        ("3-1", "is empty"),
+        ("every:0", "at least 1"),
+        ("odd", "Cannot read"),
+    ],
+)
+def test_parse_moe_layers_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_moe_layers(spec, 8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole-model construction on a tiny random LLaMA
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(intermediate_size=96)).eval()
+    input_ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(5))
+    return model, input_ids
+
+
+def moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, num_shared=0):
+    """Swap each dense MLP for its MoE block (top-k = N, zero router, scale N) and compare the logits."""
+    dense_config = {
+        k: v for k, v in model.config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")
+    }
+    config = LlamaMoEConfig(
+        **dense_config, num_experts=num_experts, num_experts_per_tok=num_experts, score_scale_factor=float(num_experts),
+        num_shared_experts=num_shared, moe_intermediate_size=next(iter(splits.values())).expert_size,
+    )
+    with torch.no_grad():
+        reference = model(input_ids=input_ids).logits
+        originals = {}
+        for i, split in splits.items():
+            mlp = model.model.layers[i].mlp
+            tensors = build_expert_tensors(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, split)
+            tensors["gate.weight"] = torch.zeros(num_experts, config.hidden_size)
+            block = LlamaMoESparseMoeBlock(config, i)
+            block.load_state_dict(tensors)
+            originals[i], model.model.layers[i].mlp = mlp, block
+        try:
+            torch.testing.assert_close(model(input_ids=input_ids).logits, reference, atol=1e-5, rtol=1e-5)
+        finally:
+            for i, mlp in originals.items():
+                model.model.layers[i].mlp = mlp
+
+
+@pytest.mark.parametrize(
+    "method, num_experts, num_shared",
+    [("cluster", 4, 0), ("sharing-inter", 4, 0), ("sharing-inter", 3, 1), ("residual", 3, 1), ("residual", 4, 0)],
+)
+def test_partition_methods_are_deterministic_partitions_equal_to_dense(tiny, method, num_experts, num_shared):
+    model, input_ids = tiny
+    kwargs = dict(num_experts=num_experts, num_shared_experts=num_shared, input_ids=input_ids, batch_size=3)
+    splits, routers = construct_splits(model, method, [0, 1], **kwargs)
+    again, routers_again = construct_splits(model, method, [0, 1], **kwargs)
+    size = 96 // (num_experts + num_shared)
+    for i in (0, 1):
+        assert_partition(splits[i], 96)
+        assert splits[i].expert_neurons.shape == (num_experts, size)
+        assert (splits[i].shared_neurons is None) == (num_shared == 0)
+        assert torch.equal(splits[i].expert_neurons, again[i].expert_neurons)
+    if method == "residual":
+        assert routers[1].shape == (num_experts, 64) and torch.equal(routers[1], routers_again[1])
+    else:
+        assert routers == {}
+    moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, num_shared)
+
+
+def test_sharing_inner_and_kmeans_routers(tiny):
+    model, input_ids = tiny
+    splits, routers = construct_splits(
+        model, "sharing-inner", [1], num_experts=4, expert_size=30, input_ids=input_ids, kmeans_routers=True
+    )
+    assert splits[1].expert_neurons.shape == (4, 30)
+    assert all(row.unique().numel() == 30 for row in splits[1].expert_neurons)
+    assert routers[1].shape == (4, 64)
+
+
+def test_construct_splits_errors(tiny):
+    model, input_ids = tiny
+    with pytest.raises(ValueError, match="needs calibration data"):
+        construct_splits(model, "residual", [0], num_experts=4)
+    with pytest.raises(ValueError, match="makes no shared experts"):
+        construct_splits(model, "cluster", [0], num_experts=3, num_shared_experts=1)
+    with pytest.raises(ValueError, match="at least 8 sequences"):
+        construct_splits(model, "sharing-inner", [0], num_experts=8, input_ids=input_ids[:4])
+
+
+@pytest.mark.slow
+def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
+    """One short real run: 2 layers, 4 x 64 calibration tokens of real text."""
+    model, tokenizer = smollm2
+    texts, _ = load_calibration_texts(None)
+    input_ids = tokenize_calibration(texts, tokenizer, num_tokens=256, seq_len=64)
+    splits, routers = construct_splits(
+        model, "residual", [28, 29], num_experts=7, num_shared_experts=1, input_ids=input_ids, max_hidden_samples=256
+    )
+    for i in (28, 29):
+        assert_partition(splits[i], 1536)
+        assert splits[i].expert_neurons.shape == (7, 192) and splits[i].shared_neurons.shape == (192,)
+        assert routers[i].shape == (7, 576)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the converter, on real files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random LLaMA saved with a character-level tokenizer (vocab < 128), and a calibration text file."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("calibrated")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    model.save_pretrained(root / "dense")
+    vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer.save_pretrained(root / "dense")
+    texts, _ = load_calibration_texts(None)
+    (root / "calibration.txt").write_text("\n\n".join(texts[:20]))
+    input_ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+    return root, input_ids, reference
+
+
+def converted_logits(folder, input_ids):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(input_ids).logits
+
+
+def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_folder, tmp_path, caplog):
+    from safetensors.torch import load_file
+
+    from llama_moe_hf.conversion import convert_to_moe
+
+    root, input_ids, reference = tiny_folder
+    common = dict(
+        method="residual", num_experts=3, num_shared_experts=1, calibration_data=str(root / "calibration.txt"),
+        calibration_tokens=512, calibration_seq_len=32, moe_layers="last:1", progress=False,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="llama_moe_hf"):
+        split_file = str(tmp_path / "split.safetensors")
+        first = convert_to_moe(root / "dense", tmp_path / "a", top_k=1, save_split=split_file, **common)
+    logged = f"Calibration data: local file {root / 'calibration.txt'} (1 docs) -> 16 sequences of 32 tokens."
+    assert logged in caplog.text
+    splits, routers, metadata = load_splits(tmp_path / "split.safetensors")
+    assert list(splits) == [1] and metadata["method"] == "residual"
+    assert_partition(splits[1], 96)
+    weights = load_file(first.output_dir / "model.safetensors")
+    assert torch.equal(weights["model.layers.1.mlp.gate.weight"], routers[1])  # v2 routes by the k-means centroids
+    assert "model.layers.0.mlp.gate_proj.weight" in weights  # layer 0 stays dense
+
+    # The same split, read back, with every expert on, a zero router and scale N: exactly the dense model.
+    second = convert_to_moe(
+        root / "dense", tmp_path / "b", top_k=3, router_init="zero", score_scale_factor=3.0,
+        load_split=str(tmp_path / "split.safetensors"), **{**common, "calibration_data": "not-used"},
+    )  # fmt: skip
+    reread = load_file(second.output_dir / "model.safetensors")
+    assert torch.equal(reread["model.layers.1.mlp.experts.down_proj"], weights["model.layers.1.mlp.experts.down_proj"])
+    torch.testing.assert_close(converted_logits(second.output_dir, input_ids), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["cluster", "sharing-inter"])
+def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, method):
+    from safetensors.torch import load_file
+
+    from llama_moe_hf.conversion import convert_to_moe
+
+    root, input_ids, reference = tiny_folder
+    result = convert_to_moe(
+        root / "dense", tmp_path / "moe", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
+        router_init="kmeans", calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
+        calibration_seq_len=32, progress=False,
+    )  # fmt: skip
+    weights = load_file(result.output_dir / "model.safetensors")
+    assert weights["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    # With a k-means router the top-4 weights are not uniform, so compare with the zero router for the identity.
+    zero = convert_to_moe(
+        root / "dense", tmp_path / "zero", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
+        router_init="zero", calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
+        calibration_seq_len=32, progress=False,
+    )  # fmt: skip
+    torch.testing.assert_close(converted_logits(zero.output_dir, input_ids), reference, atol=1e-4, rtol=0)
+
+
+def test_converter_rejects_bad_calibrated_settings(tiny_folder, tmp_path):
+    from llama_moe_hf.conversion import convert_to_moe
+
+    root, _, _ = tiny_folder
+    with pytest.raises(ValueError, match="--save-split / --load-split work with"):
+        convert_to_moe(root / "dense", tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
+    with pytest.raises(ValueError, match="--cluster-on must be one of"):
+        convert_to_moe(root / "dense", tmp_path / "b", method="cluster", num_experts=4, cluster_on="down")
+    with pytest.raises(ValueError, match="fewer than one sequence of 100000"):
+        convert_to_moe(
+            root / "dense", tmp_path / "c", method="residual", num_experts=4, calibration_seq_len=100_000,
+            calibration_tokens=100_000,
+            calibration_data=str(root / "calibration.txt"), progress=False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="names layers \\[7\\]"):
+        convert_to_moe(root / "dense", tmp_path / "d", method="cluster", num_experts=4, moe_layers="0,7")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
