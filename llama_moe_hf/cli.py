@@ -120,11 +120,17 @@ def _info(args) -> None:
     config = AutoConfig.from_pretrained(folder)  # the package is imported: LlamaMoE configs need no remote code
     total, active = count_parameters(config, read_shapes(folder))
     print(f"{folder}: {type(config).__name__} ({config.model_type}), {config.num_hidden_layers} layers")
-    if getattr(config, "num_experts", None):
+    if getattr(config, "num_attention_experts", None):
+        print(
+            f"attention experts: {config.num_attention_experts} ({config.attention_expert_granularity}, "
+            f"top-{config.num_attention_experts_per_tok}), attention MoE layers {config.attention_moe_layers}"
+        )
+    if getattr(config, "moe_layers", None):
         print(
             f"experts: {config.num_experts} routed (top-{config.num_experts_per_tok}, size "
             f"{config.moe_intermediate_size}), {config.num_shared_experts} shared, MoE layers {config.moe_layers}"
         )
+    if getattr(config, "conversion_info", None):
         print(f"conversion: {json.dumps(config.conversion_info, sort_keys=True)}")
     print(_parameters_text(total, active))
 

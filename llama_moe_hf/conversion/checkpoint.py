@@ -5,7 +5,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
 SAFE_WEIGHTS = "model.safetensors"

@@ -14,7 +14,6 @@ Everything is written into a temporary folder next to the output and renamed at 
 interrupted conversion leaves nothing behind and never touches the source.
 """
 
-import logging
 import os
 import shutil
 import tempfile
@@ -36,7 +35,6 @@ from .construction import parse_moe_layers
 from .experts import ExpertSplit, build_expert_tensors, check_split_sizes, split_random, split_sequential, split_upcycle
 from .source import DenseSource, Downloader, open_source, snapshot_download
 
-logger = logging.getLogger(__name__)
 
 ROUTER_INITS = ("random", "zero", "kmeans", "selector")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -498,7 +496,6 @@ def convert_to_moe(
         source.save_extras(tmp)
         write_model_card(tmp, config, options, source, total, active, model_id=options.repo_id or str(output))
         files = sorted(p.name for p in tmp.iterdir())
-    logger.info("Wrote %s: %d parameters, %d active per token.", output, total, active)
     return ConversionResult(output_dir=output, total_parameters=total, active_parameters=active, files=files)
 
 
