@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaRMSNorm,
@@ -50,7 +50,6 @@ from .modeling_llama_moe import (
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
     LlamaMoERouter,
-    router_z_loss_func,
 )
 
 
@@ -293,71 +292,22 @@ class AttnMoEForCausalLM(AttnMoEPreTrainedModel, LlamaMoEForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> AttnMoECausalLMOutputWithPast:
-        r"""
-        `aux_loss` is the (unweighted) load-balancing loss of the attention routers plus that of the MLP routers,
-        each computed with its own expert count and top-k; with `labels`,
-        `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss` (z-loss over all routers).
-        """
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        outputs: AttnMoEModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
+    def router_losses(self, outputs, attention_mask):
+        """The attention routers' load-balancing loss plus the MLP routers', each with its own expert count and top-k;
+        the z-loss runs over all routers."""
+        config = self.config
+        groups = [(outputs.attention_router_logits, config.num_attention_experts, config.num_attention_experts_per_tok)]
+        if config.moe_layers:  # else `router_logits` are the attention routers again
+            groups.append((outputs.router_logits, config.num_experts, config.num_experts_per_tok))
+        groups = [(logits, e, k) for logits, e, k in groups if logits]
+        if not groups:
+            return None, ()
+        aux_loss = sum(load_balancing_loss_func(logits, e, k, attention_mask) for logits, e, k in groups)
+        return aux_loss, tuple(t for logits, _, _ in groups for t in logits)
 
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-        aux_loss = None
-        if output_router_logits:
-            config = self.config
-            groups = [
-                (outputs.attention_router_logits, config.num_attention_experts, config.num_attention_experts_per_tok)
-            ]
-            if config.moe_layers:  # else `router_logits` are the attention routers again
-                groups.append((outputs.router_logits, config.num_experts, config.num_experts_per_tok))
-            losses = [load_balancing_loss_func(lg, e, k, attention_mask) for lg, e, k in groups if lg]
-            if losses:
-                aux_loss = sum(losses)
-                if labels is not None:
-                    loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
-                    if config.router_z_loss_coef > 0:
-                        all_logits = tuple(t for group, _, _ in groups if group for t in group)
-                        loss = loss + config.router_z_loss_coef * router_z_loss_func(all_logits).to(loss.device)
-
+    def causal_lm_output(self, outputs, **fields) -> AttnMoECausalLMOutputWithPast:
         return AttnMoECausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-            attention_router_logits=outputs.attention_router_logits,
+            **super().causal_lm_output(outputs, **fields), attention_router_logits=outputs.attention_router_logits
         )
 
 

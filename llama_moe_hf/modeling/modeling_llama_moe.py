@@ -382,24 +382,33 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
         aux_loss = None
-        if output_router_logits and outputs.router_logits:
-            aux_loss = load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
-            )
-            if labels is not None:
+        if output_router_logits:
+            aux_loss, z_loss_logits = self.router_losses(outputs, attention_mask)
+            if aux_loss is not None and labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
                 if self.config.router_z_loss_coef > 0:
-                    z_loss = router_z_loss_func(outputs.router_logits)
+                    z_loss = router_z_loss_func(z_loss_logits)
                     loss = loss + self.config.router_z_loss_coef * z_loss.to(loss.device)
+        return self.causal_lm_output(outputs, loss=loss, aux_loss=aux_loss, logits=logits)
 
+    def router_losses(
+        self, outputs: MoeModelOutputWithPast, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """(unweighted load-balancing loss, router logits the z-loss runs over) of a backbone's outputs."""
+        if not outputs.router_logits:
+            return None, ()
+        aux_loss = load_balancing_loss_func(
+            outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+        )
+        return aux_loss, outputs.router_logits
+
+    def causal_lm_output(self, outputs: MoeModelOutputWithPast, **fields) -> MoeCausalLMOutputWithPast:
         return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
+            **fields,
         )
 
 
