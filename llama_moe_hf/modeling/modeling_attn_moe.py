@@ -32,8 +32,6 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
     rotate_half,
@@ -248,19 +246,7 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
 class AttnMoEModel(AttnMoEPreTrainedModel, LlamaMoEModel):
     """LlamaMoE's backbone (its forward is reused) built from AttnMoE decoder layers."""
 
-    def __init__(self, config: AttnMoEConfig):
-        # Not LlamaMoEModel.__init__, which would build LlamaMoE layers first.
-        AttnMoEPreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [AttnMoEDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self.post_init()
+    decoder_layer_class = AttnMoEDecoderLayer
 
     @can_return_tuple
     def forward(self, *args, output_router_logits: bool | None = None, **kwargs) -> AttnMoEModelOutputWithPast:

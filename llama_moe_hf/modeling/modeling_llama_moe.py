@@ -271,13 +271,15 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
 
 
 class LlamaMoEModel(LlamaMoEPreTrainedModel):
+    decoder_layer_class = LlamaMoEDecoderLayer  # AttnMoE swaps in its own layers and reuses the rest
+
     def __init__(self, config: LlamaMoEConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
-            [LlamaMoEDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+            [self.decoder_layer_class(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
