@@ -15,7 +15,7 @@ All rows use unit weights for the selected experts (what G-MoEfication's compens
 k-means are applied with forward hooks on the router (evaluation only). Everything is built in memory.
 
     python benchmarks/quality.py                                # the full table of docs/quality.md
-    python benchmarks/quality.py --splits random cluster --active 6 7 --chunks 4
+    python benchmarks/quality.py --splits cluster --active 6 7 --compensation on --routers selector oracle
 """
 
 import argparse
@@ -117,10 +117,10 @@ def main():
     parser.add_argument("--active", nargs="+", type=int, default=[2, 4, 6, 7])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--compensation", nargs="+", default=["on", "off"], choices=["on", "off"])
-    parser.add_argument("--chunks", type=int, default=2, help="held-out 256-token chunks for perplexity")
-    parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--hidden-samples", type=int, default=1024, help="MLP inputs per layer for selector/k-means")
-    parser.add_argument("--selector-steps", type=int, default=200)
+    parser.add_argument("--chunks", type=int, default=8, help="held-out 256-token chunks for perplexity")
+    parser.add_argument("--calibration-tokens", type=int, default=16384)
+    parser.add_argument("--hidden-samples", type=int, default=16384, help="MLP inputs per layer for selector/k-means")
+    parser.add_argument("--selector-steps", type=int, default=100)
     parser.add_argument("--chat-active", nargs="*", type=int, default=[6, 7], help="active counts with a chat answer")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=None)
@@ -161,6 +161,7 @@ def main():
                 num_experts=routed,
                 num_shared_experts=shared,
                 input_ids=calibration_ids,
+                stats=stats,
                 **({"cluster_on": "gate"} if method == "cluster" else {}),
             )
         if "kmeans" in args.routers and not routers:

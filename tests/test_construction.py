@@ -12,6 +12,7 @@ from llama_moe_hf.conversion.construction import (
     balanced_kmeans,
     check_loaded_split,
     construct_splits,
+    kmeans_router,
     load_splits,
     parse_moe_layers,
     save_splits,
@@ -58,6 +59,14 @@ def test_balanced_kmeans_is_balanced_deterministic_and_finds_clusters():
     assert sorted(torch.bincount(uneven).tolist()) == [7, 7, 8, 8]
     with pytest.raises(ValueError, match="at least 4 points"):
         balanced_kmeans(rows[:3], 4)
+
+
+def test_kmeans_router_uses_a_seeded_subset_of_at_most_max_points():
+    rows, truth = planted_rows()
+    router = kmeans_router(rows, 4, seed=1, max_points=16)
+    assert router.shape == (4, 16)
+    assert torch.equal(router, kmeans_router(rows, 4, seed=1, max_points=16))
+    assert not torch.equal(router, kmeans_router(rows, 4, seed=1))  # all 32 points give other centroids
 
 
 @pytest.mark.parametrize("cluster_on", ["gate", "up", "both"])
@@ -396,4 +405,6 @@ def test_converter_rejects_bad_calibrated_settings(tiny_folder, tmp_path):
         )  # fmt: skip
     with pytest.raises(ValueError, match="names layers \\[7\\]"):
         convert_to_moe(root / "dense", tmp_path / "d", method="cluster", num_experts=4, moe_layers="0,7")
+    with pytest.raises(ValueError, match="--calibration-samples must be >= 1"):
+        convert_to_moe(root / "dense", tmp_path / "e", method="cluster", num_experts=4, calibration_samples=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written

@@ -289,9 +289,10 @@ def test_transformers_experts_implementations_match_ours(implementation, num_sha
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 40])
-def test_both_expert_paths_match_grouped_mm(num_tokens):
-    """4 experts, top-2: up to 2 tokens take the per-pair (decoding) path, more take the grouped path."""
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 32, 33, 300])
+def test_every_expert_path_matches_grouped_mm(num_tokens):
+    """4 experts, top-2: up to 2 tokens take the per-pair (decoding) path, up to 32 transformers' grouped_mm path,
+    more the per-expert loop; each must equal transformers' grouped_mm implementation, gradients included."""
     model = tiny_moe()
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(num_tokens)

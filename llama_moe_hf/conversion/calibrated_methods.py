@@ -71,7 +71,8 @@ def layer_calibration(method: ExpertMethod) -> dict[int, LayerCalibration]:
         o = method.options
         method._layer_calibration = collect_calibration(
             dense_model(method), calibration_input_ids(method), moe_layers(method),
-            batch_size=o.calibration_batch_size, seed=o.seed, progress=o.progress,
+            batch_size=o.calibration_batch_size, max_hidden_samples=o.calibration_samples, seed=o.seed,
+            progress=o.progress,
         )
     return method._layer_calibration
 
@@ -135,6 +136,7 @@ class CalibratedSplit(SplitMethod):
                 kmeans_routers=kmeans,
                 seed=o.seed,
                 batch_size=o.calibration_batch_size,
+                max_hidden_samples=o.calibration_samples,
                 stats=layer_calibration(self) if shared_pass else None,
                 progress=o.progress,
             )
@@ -160,11 +162,13 @@ class CalibratedSplit(SplitMethod):
         info = {"cluster_on": o.cluster_on} if self.construction == "cluster" else {}
         if o.load_split:
             info["split_file"] = str(o.load_split)
-        elif self.construction != "cluster" or o.router_init == "kmeans":
+        builds_split = not o.load_split and (self.construction != "cluster" or o.router_init == "kmeans")
+        if builds_split or o.compensation or o.router_init == "selector":
             info.update(
                 calibration_data=o.calibration_data or "built-in stdlib docstrings",
                 calibration_tokens=o.calibration_tokens,
                 calibration_seq_len=o.calibration_seq_len,
+                calibration_samples=o.calibration_samples,
             )
         return info
 

@@ -149,8 +149,21 @@ def split_sharing_inter(importance: torch.Tensor, num_shared_experts: int) -> Ex
     )
 
 
-def kmeans_router(hidden_states: torch.Tensor, num_experts: int, *, seed: int = 0) -> torch.Tensor:
-    """Router weight `[E, H]`: centroids of balanced k-means on sampled MLP inputs `[n, H]` (LLaMA-MoE v2)."""
+KMEANS_MAX_POINTS = 4096
+
+
+def kmeans_router(
+    hidden_states: torch.Tensor, num_experts: int, *, seed: int = 0, max_points: int = KMEANS_MAX_POINTS
+) -> torch.Tensor:
+    """Router weight `[E, H]`: centroids of balanced k-means on sampled MLP inputs `[n, H]` (LLaMA-MoE v2).
+
+    Uses a seeded subset of at most `max_points` inputs: the exact balanced assignment grows faster than linearly
+    (one SmolLM2 layer: 1.8 s for 4096 points, 5.1 s for 8192, 18 s for 16384), while the selector, which shares
+    the sample, gains from more.
+    """
+    if hidden_states.shape[0] > max_points:
+        generator = torch.Generator().manual_seed(seed)
+        hidden_states = hidden_states[torch.randperm(hidden_states.shape[0], generator=generator)[:max_points]]
     _, centroids = balanced_kmeans(hidden_states, num_experts, seed=seed)
     return centroids
 

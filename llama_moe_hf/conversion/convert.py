@@ -77,6 +77,10 @@ class ConversionOptions:
     )
     calibration_tokens: int = field(default=8192, metadata={"help": "calibration tokens (default: %(default)s)"})
     calibration_seq_len: int = field(default=256, metadata={"help": "tokens per sequence (default: %(default)s)"})
+    calibration_samples: int = field(
+        default=8192,
+        metadata={"help": "MLP inputs kept per layer for k-means routers and the selector; memory: samples x hidden x 4 bytes x layers (default: %(default)s)"},
+    )
     calibration_batch_size: int = field(default=4, metadata={"help": "sequences per pass (default: %(default)s)"})
     cluster_on: str = field(default="both", metadata={"help": "cluster gate, up or both rows (default: %(default)s)"})
     save_split: str | None = field(default=None, metadata={"help": "write the split and routers to this .safetensors file"})
@@ -91,7 +95,7 @@ class ConversionOptions:
     # G-MoEfication (split methods; calibrated): docs/quality.md. `--router-init selector` trains MoEfication's
     # selector router (router_type "selector", unit expert weights, score scale 1.0 by default).
     compensation: bool = field(default=False, metadata={"help": "G-MoEfication: store each expert's mean output and add it for the experts a token skips"})
-    selector_steps: int = field(default=300, metadata={"help": "--router-init selector: training steps per layer (default: %(default)s)"})
+    selector_steps: int = field(default=100, metadata={"help": "--router-init selector: L-BFGS iterations per layer (default: %(default)s)"})
 
     def torch_dtype(self) -> torch.dtype | None:
         if self.dtype in (None, "auto"):
@@ -336,6 +340,8 @@ def _check_options(options: ConversionOptions) -> None:
         raise ValueError("--compensation and --router-init selector need a split method, not --method upcycle.")
     if options.selector_steps < 0:
         raise ValueError(f"--selector-steps must be >= 0, got {options.selector_steps}.")
+    if options.calibration_samples < 1:
+        raise ValueError(f"--calibration-samples must be >= 1, got {options.calibration_samples}.")
     if options.num_experts < 1:
         raise ValueError(f"--num-experts must be at least 1, got {options.num_experts}.")
     if not 1 <= options.top_k <= options.num_experts:

@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -35,6 +36,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_llama_moe import LlamaMoEConfig
+
+# Default expert compute: up to this many (token, expert) rows per expert on average, the grouped-GEMM path is faster
+# than a per-expert loop (16 experts x 256 neurons, top-4, on CPU: 16-token inputs; docs/benchmarks.md).
+GROUPED_MM_MAX_ROWS_PER_EXPERT = 16
 
 
 def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.Tensor | int:
@@ -125,9 +130,14 @@ class LlamaMoEExperts(nn.Module):
             ]  # T x [H]
             return torch.stack(rows)
 
-        # Group the T*k (token, expert) pairs by expert with one argsort and a single host sync (the per-expert
-        # counts). Each expert then gathers only its own rows, so the working set stays cache-sized at long inputs
-        # (one big gather of all T*k rows is slower on CPU), and adds its weighted output back in place.
+        if top_k_index.numel() <= GROUPED_MM_MAX_ROWS_PER_EXPERT * self.num_experts:
+            # Few rows per expert (short prompts): transformers' grouped-GEMM path (one gather, one grouped matmul per
+            # projection, no host sync) beats a per-expert loop whose fixed cost per expert dominates here.
+            return grouped_mm_experts_forward(self, hidden_states, top_k_index, weights)
+
+        # Long inputs: group the T*k (token, expert) pairs by expert with one argsort and a single host sync (the
+        # per-expert counts). Each expert then gathers only its own rows, so the working set stays cache-sized (one
+        # gather of all T*k rows is slower on CPU), and adds its weighted output back in place.
         top_k = top_k_index.shape[-1]
         flat_index = top_k_index.reshape(-1)  # [S], S = T*k
         order = flat_index.argsort()  # [S]

@@ -1,0 +1,84 @@
+"""How fast can a top-k MoE layer be on this machine? Lower bounds next to the dense FFN, cold cache.
+
+`bench_moe_layer.py` compares whole MoE blocks. This script times what any MoE block must at least do, with the same
+shapes and the same cold-cache, round-robin timing, so a target ratio can be checked for feasibility:
+
+    dense            the dense SwiGLU FFN (gate, up, down) the experts are cut from
+    expert matmuls   only the routed experts' matmuls on rows already grouped by expert (no router, no gather, no
+                     scatter, no weighting): the work left if every other step were free
+    one matmul       one matmul of the T input rows with a contiguous k/N slice of the dense weights: the FLOPs of a
+                     top-k layer (and its weight bytes at 1 token) as a single GEMM, the form this CPU runs fastest
+
+    python benchmarks/moe_layer_floor.py                     # 1, 16, 256 and 2048 tokens, 2 threads
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048])
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--intermediate-size", type=int, default=4096)
+    parser.add_argument("--num-experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flush-mb", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    hidden, inter, experts, top_k = args.hidden_size, args.intermediate_size, args.num_experts, args.top_k
+    size = inter // experts
+    gate, up, down = (torch.randn(inter, hidden) * 0.02 for _ in range(3))
+    gate_up = torch.randn(experts, 2 * size, hidden) * 0.02  # [E, 2m, H]
+    expert_down = torch.randn(experts, hidden, size) * 0.02  # [E, H, m]
+    # The bytes of k experts' gate_up and down, as one contiguous weight: [3 * k * m, H]
+    slice_weight = torch.randn(3 * top_k * size, hidden) * 0.02
+    flush = torch.empty(args.flush_mb * 2**20 // 4)
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, float32, cold cache | H={hidden}, "
+        f"dense FFN={inter}, {experts} experts x {size}, top-{top_k}, ideal k/N={top_k / experts}"
+    )
+    print("| tokens | dense ms | expert matmuls | one matmul |")
+    print("|---|---|---|---|")
+    with torch.no_grad():
+        for num_tokens in args.tokens:
+            x = torch.randn(num_tokens, hidden)
+            routing = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)])
+            counts = torch.bincount(routing.flatten(), minlength=experts).tolist()
+            grouped = [torch.randn(count, hidden) for count in counts]  # each expert's rows, already gathered
+
+            def dense_ffn():
+                F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down.T)
+
+            def expert_matmuls():
+                for e, rows in enumerate(grouped):
+                    if rows.shape[0]:
+                        g, u = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+                        F.linear(F.silu(g) * u, expert_down[e])
+
+            def one_matmul():
+                F.linear(x, slice_weight)
+
+            functions = {"dense": dense_ffn, "expert matmuls": expert_matmuls, "one matmul": one_matmul}
+            samples = {name: [] for name in functions}
+            for round_idx in range(3 + args.repeats):
+                for name, function in functions.items():
+                    flush.fill_(round_idx)
+                    start = time.perf_counter()
+                    function()
+                    if round_idx >= 3:
+                        samples[name].append(time.perf_counter() - start)
+            median = {name: statistics.median(times) for name, times in samples.items()}
+            ratios = " | ".join(f"{median[name] / median['dense']:.3f}" for name in ("expert matmuls", "one matmul"))
+            print(f"| {num_tokens} | {median['dense'] * 1e3:.3f} | {ratios} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
