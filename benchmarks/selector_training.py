@@ -11,7 +11,7 @@ docs/quality.md. Objectives:
                    full-batch Adam (lr 1e-2, --adam-steps steps)
     listwise-lbfgs gmoefication.train_selector: listwise cross-entropy (`selector_loss`), L-BFGS, 100 iterations
 
-    python benchmarks/selector_training.py --threads 2
+    python benchmarks/selector_training.py --threads 1      # docs/quality.md, "Training the selector"
 """
 
 import argparse
