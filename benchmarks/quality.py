@@ -117,6 +117,7 @@ def main():
     parser.add_argument("--active", nargs="+", type=int, default=[2, 4, 6, 7])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--compensation", nargs="+", default=["on", "off"], choices=["on", "off"])
+    parser.add_argument("--cluster-on", default="gate", help="projection (or activations) the cluster split uses")
     parser.add_argument("--chunks", type=int, default=8, help="held-out 256-token chunks for perplexity")
     parser.add_argument("--calibration-tokens", type=int, default=16384)
     parser.add_argument("--hidden-samples", type=int, default=16384, help="MLP inputs per layer for selector/k-means")
@@ -162,7 +163,7 @@ def main():
                 num_shared_experts=shared,
                 input_ids=calibration_ids,
                 stats=stats,
-                **({"cluster_on": "gate"} if method == "cluster" else {}),
+                **({"cluster_on": args.cluster_on} if method == "cluster" else {}),
             )
         if "kmeans" in args.routers and not routers:
             if routed not in kmeans_routers:

@@ -61,6 +61,29 @@ def test_balanced_kmeans_is_balanced_deterministic_and_finds_clusters():
         balanced_kmeans(rows[:3], 4)
 
 
+def test_split_cluster_on_activations_groups_neurons_that_fire_on_the_same_tokens():
+    from types import SimpleNamespace
+
+    # 4 token types along the first 4 axes; a neuron of group g fires (silu(5 x_g) * x_g) only on type-g tokens,
+    # while its gate and up rows alone would not tell the groups apart after row normalisation noise.
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randperm(32, generator=g) % 4  # [I]
+    axes = torch.eye(16)[truth]  # [I, H]
+    gate = 5 * axes + 0.3 * torch.randn(32, 16, generator=g)
+    up = axes + 0.3 * torch.randn(32, 16, generator=g)
+    down = torch.randn(16, 32, generator=g)
+    hidden = torch.eye(16)[torch.randint(0, 4, (400,), generator=g)] * (1 + torch.rand(400, 1, generator=g))
+    mean = (F.silu(hidden @ gate.T) * (hidden @ up.T)).mean(0)
+    calibration = SimpleNamespace(hidden_states=hidden, mean_activation=mean)
+    split = split_cluster(gate, up, 4, cluster_on="activations", down_proj=down, calibration=calibration)
+    assert_partition(split, 32)
+    assert same_grouping(split.expert_neurons, truth)
+    again = split_cluster(gate, up, 4, cluster_on="activations", down_proj=down, calibration=calibration)
+    assert torch.equal(split.expert_neurons, again.expert_neurons)
+    with pytest.raises(ValueError, match="needs calibration data"):
+        split_cluster(gate, up, 4, cluster_on="activations")
+
+
 def test_kmeans_router_uses_a_seeded_subset_of_at_most_max_points():
     rows, truth = planted_rows()
     router = kmeans_router(rows, 4, seed=1, max_points=16)
@@ -366,8 +389,8 @@ def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_folder
     torch.testing.assert_close(converted_logits(second.output_dir, input_ids), reference, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["cluster", "sharing-inter"])
-def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, method):
+@pytest.mark.parametrize("method, cluster_on", [("cluster", "both"), ("cluster", "activations"), ("sharing-inter", "both")])
+def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, method, cluster_on):
     from safetensors.torch import load_file
 
     from llama_moe_hf.conversion import convert_to_moe
@@ -375,7 +398,7 @@ def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, metho
     root, input_ids, reference = tiny_folder
     result = convert_to_moe(
         root / "dense", tmp_path / "moe", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
-        router_init="kmeans", calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
+        router_init="kmeans", cluster_on=cluster_on, calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
         calibration_seq_len=32, progress=False,
     )  # fmt: skip
     weights = load_file(result.output_dir / "model.safetensors")
@@ -383,7 +406,7 @@ def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, metho
     # With a k-means router the top-4 weights are not uniform, so compare with the zero router for the identity.
     zero = convert_to_moe(
         root / "dense", tmp_path / "zero", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
-        router_init="zero", calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
+        router_init="zero", cluster_on=cluster_on, calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
         calibration_seq_len=32, progress=False,
     )  # fmt: skip
     torch.testing.assert_close(converted_logits(zero.output_dir, input_ids), reference, atol=1e-4, rtol=0)

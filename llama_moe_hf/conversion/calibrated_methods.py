@@ -124,14 +124,15 @@ class CalibratedSplit(SplitMethod):
         else:
             kmeans = o.router_init == "kmeans" or self.construction == "residual"
             # Methods without a gradient pass take the MLP inputs from the shared no-gradient pass.
-            shared_pass = kmeans and self.construction in ("cluster", "residual")
+            by_activations = self.construction == "cluster" and o.cluster_on == "activations"
+            shared_pass = (kmeans or by_activations) and self.construction in ("cluster", "residual")
             self._splits, routers = construct_splits(
                 dense_model(self),
                 self.construction,
                 layers,
                 num_experts=o.num_experts,
                 num_shared_experts=o.num_shared_experts,
-                input_ids=calibration_input_ids(self) if self.construction != "cluster" or kmeans else None,
+                input_ids=calibration_input_ids(self) if self.construction != "cluster" or shared_pass else None,
                 cluster_on=o.cluster_on,
                 kmeans_routers=kmeans,
                 seed=o.seed,
@@ -162,7 +163,9 @@ class CalibratedSplit(SplitMethod):
         info = {"cluster_on": o.cluster_on} if self.construction == "cluster" else {}
         if o.load_split:
             info["split_file"] = str(o.load_split)
-        builds_split = not o.load_split and (self.construction != "cluster" or o.router_init == "kmeans")
+        builds_split = not o.load_split and (
+            self.construction != "cluster" or o.router_init == "kmeans" or o.cluster_on == "activations"
+        )
         if builds_split or o.compensation or o.router_init == "selector":
             info.update(
                 calibration_data=o.calibration_data or "built-in stdlib docstrings",

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from .experts import ExpertSplit, check_split_sizes
 
-CLUSTER_ON = ("gate", "up", "both")
+CLUSTER_ON = ("gate", "up", "both", "activations")
+ACTIVATION_CLUSTER_TOKENS = 4096  # calibration MLP inputs per neuron profile for cluster_on="activations"
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
 
 
@@ -65,13 +66,28 @@ def split_cluster(
     *,
     cluster_on: str = "both",
     seed: int = 0,
+    down_proj: torch.Tensor | None = None,  # [H, I], for cluster_on="activations"
+    calibration=None,  # LayerCalibration, for cluster_on="activations"
 ) -> ExpertSplit:
-    """LLaMA-MoE Independent-Clustering: neurons whose `cluster_on` rows point the same way share an expert."""
+    """LLaMA-MoE Independent-Clustering: neurons whose `cluster_on` rows point the same way share an expert.
+
+    `cluster_on="activations"` clusters on calibration data instead (G-MoEfication's balanced clustering): each
+    neuron is its profile `|a_j(x) - mu_j| * ||down[:, j]||` over up to 4096 sampled MLP inputs, so neurons that
+    leave their means on the same tokens share an expert and a token's deviation energy gathers in few experts.
+    """
     if cluster_on not in CLUSTER_ON:
         raise ValueError(f"--cluster-on must be one of {', '.join(CLUSTER_ON)}, got {cluster_on!r}.")
     check_split_sizes(up_proj.shape[0], num_experts)
-    rows = {"gate": [gate_proj], "up": [up_proj], "both": [gate_proj, up_proj]}[cluster_on]
-    features = torch.cat([F.normalize(r.float(), dim=1) for r in rows], dim=1)  # [I, H] or [I, 2H]
+    if cluster_on == "activations":
+        if calibration is None or down_proj is None:
+            raise ValueError("--cluster-on activations needs calibration data (the layer's MLP inputs) and down_proj.")
+        h = calibration.hidden_states[:ACTIVATION_CLUSTER_TOKENS].float()  # [n, H]
+        activation = F.silu(h @ gate_proj.float().T) * (h @ up_proj.float().T)  # [n, I]
+        deviation = (activation - calibration.mean_activation.float()) * down_proj.float().norm(dim=0)
+        features = F.normalize(deviation.abs().T, dim=1)  # [I, n]
+    else:
+        rows = {"gate": [gate_proj], "up": [up_proj], "both": [gate_proj, up_proj]}[cluster_on]
+        features = torch.cat([F.normalize(r.float(), dim=1) for r in rows], dim=1)  # [I, H] or [I, 2H]
     labels, _ = balanced_kmeans(features, num_experts, seed=seed)
     return _split_from_labels(labels, num_experts)
 
@@ -368,7 +384,8 @@ def construct_splits(
         raise ValueError(f"Unknown calibrated method {method!r}; choose one of {', '.join(CALIBRATED_METHODS)}.")
     if num_shared_experts and method in ("cluster", "sharing-inner"):
         raise ValueError(f"--method {method} makes no shared experts; use sharing-inter or residual for those.")
-    needs_data = method != "cluster" or kmeans_routers
+    by_activations = method == "cluster" and cluster_on == "activations"
+    needs_data = method != "cluster" or kmeans_routers or by_activations
     if needs_data and input_ids is None:
         raise ValueError(f"--method {method} needs calibration data (input_ids).")
     intermediate_size = _dense_mlp(model, layers[0]).down_proj.in_features
@@ -389,14 +406,17 @@ def construct_splits(
         stats = collect_calibration(
             model, input_ids, layers, with_gradients=True, sequence_groups=groups, num_groups=num_experts, **collect
         )
-    elif kmeans_routers:
+    elif kmeans_routers or by_activations:
         stats = stats or collect_calibration(model, input_ids, layers, **collect)
 
     for i in layers:
         mlp = _dense_mlp(model, i)
         if method == "cluster":
             gate, up = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
-            splits[i] = split_cluster(gate, up, num_experts, cluster_on=cluster_on, seed=seed)
+            splits[i] = split_cluster(
+                gate, up, num_experts, cluster_on=cluster_on, seed=seed, down_proj=mlp.down_proj.weight.detach(),
+                calibration=stats[i] if by_activations else None,
+            )
         elif method == "sharing-inner":
             splits[i] = split_sharing_inner(stats[i].importance, expert_size or intermediate_size // num_experts)
         else:

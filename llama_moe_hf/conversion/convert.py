@@ -82,7 +82,7 @@ class ConversionOptions:
         metadata={"help": "MLP inputs kept per layer for k-means routers and the selector; memory: samples x hidden x 4 bytes x layers (default: %(default)s)"},
     )
     calibration_batch_size: int = field(default=4, metadata={"help": "sequences per pass (default: %(default)s)"})
-    cluster_on: str = field(default="both", metadata={"help": "cluster gate, up or both rows (default: %(default)s)"})
+    cluster_on: str = field(default="both", metadata={"help": "cluster gate, up or both rows, or activations on calibration data (default: %(default)s)"})
     save_split: str | None = field(default=None, metadata={"help": "write the split and routers to this .safetensors file"})
     load_split: str | None = field(default=None, metadata={"help": "reuse a split file written by --save-split"})
     # Attention experts (AttnMoE, LLaMA-MoE v2; family attn_moe, chosen automatically): docs/attn_moe.md
