@@ -11,11 +11,9 @@ held-out text: the last 10% of the built-in corpus documents, in 256-token chunk
 """
 
 import argparse
-import math
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
@@ -25,17 +23,7 @@ from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
 from llama_moe_hf.modeling import LlamaMoEConfig
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
-
-
-@torch.no_grad()
-def perplexity(model, chunks: torch.Tensor, batch_size: int = 4) -> float:
-    total, count = 0.0, 0
-    for start in range(0, chunks.shape[0], batch_size):
-        batch = chunks[start : start + batch_size]
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return math.exp(total / count)
+from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
 
 def swap_in_moe(model, splits, top_k: int) -> list:
