@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
 from llama_moe_hf.conversion.construction import split_cluster
-from llama_moe_hf.conversion.convert import _DROPPED_CONFIG_KEYS
+from llama_moe_hf.conversion.convert import dense_config_fields
 from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
 from llama_moe_hf.modeling import LlamaMoEConfig
@@ -28,7 +28,7 @@ from quality import perplexity  # same folder: the one perplexity of the quality
 
 def swap_in_moe(model, splits, top_k: int) -> list:
     """Replace each dense MLP by the MoE block of its split (in place); returns the dense MLPs to put back."""
-    dense = {k: v for k, v in model.config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")}
+    dense = dense_config_fields(model.config)
     num_experts = next(iter(splits.values())).num_experts
     config = LlamaMoEConfig(
         **dense, num_experts=num_experts, num_experts_per_tok=top_k, score_scale_factor=float(num_experts)

@@ -31,7 +31,7 @@ from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
 from llama_moe_hf.conversion import gmoefication
 from llama_moe_hf.conversion.calibration import collect_calibration, tokenize_calibration
 from llama_moe_hf.conversion.construction import construct_splits, kmeans_router
-from llama_moe_hf.conversion.convert import _DROPPED_CONFIG_KEYS
+from llama_moe_hf.conversion.convert import dense_config_fields
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
@@ -89,7 +89,7 @@ def linear_routing(model, weights: dict[int, torch.Tensor]):
 def build_moe(dense, splits, layer_tensors) -> LlamaMoEForCausalLM:
     """A LlamaMoE model (selector router, compensation on) holding the dense weights cut by `splits`."""
     split = next(iter(splits.values()))
-    fields = {k: v for k, v in dense.config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS}
+    fields = dense_config_fields(dense.config)
     config = LlamaMoEConfig(
         **fields,
         num_experts=split.num_experts,

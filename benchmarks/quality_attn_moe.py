@@ -12,7 +12,6 @@ near-uniform router the kept heads have weight ~1, as in the dense model. Router
 """
 
 import argparse
-import math
 import time
 
 import torch
@@ -26,6 +25,7 @@ from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import split_random
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
+from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
 
 class OracleRouter(nn.Module):
@@ -60,17 +60,6 @@ def install_oracle(model, top_k: int) -> None:
         attention.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-@torch.no_grad()
-def perplexity(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
-    total, count = 0.0, 0
-    for start in range(0, chunks.shape[0], batch_size):
-        batch = chunks[start : start + batch_size]
-        loss = model(batch, labels=batch).loss  # mean over the batch's predicted tokens
-        total += loss.item() * batch.shape[0] * (batch.shape[1] - 1)
-        count += batch.shape[0] * (batch.shape[1] - 1)
-    return math.exp(total / count)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=32)
@@ -96,7 +85,7 @@ def main():
 
     def report(name, model):
         start = time.perf_counter()
-        value = perplexity(model, held_out)
+        value = perplexity(model, held_out, batch_size=8)
         rows.append((name, value))
         print(f"| {name} | {value:.2f} |  ({time.perf_counter() - start:.0f} s)", flush=True)
 

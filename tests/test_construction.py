@@ -15,12 +15,13 @@ from llama_moe_hf.conversion.construction import (
     kmeans_router,
     load_splits,
     parse_moe_layers,
+    sample_rows,
     save_splits,
     split_cluster,
     split_sharing_inner,
     split_sharing_inter,
 )
-from llama_moe_hf.conversion.convert import _DROPPED_CONFIG_KEYS
+from llama_moe_hf.conversion.convert import dense_config_fields
 from llama_moe_hf.conversion.experts import ExpertSplit, build_expert_tensors
 from llama_moe_hf.modeling import LlamaMoEConfig
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
@@ -82,6 +83,17 @@ def test_split_cluster_on_activations_groups_neurons_that_fire_on_the_same_token
     assert torch.equal(split.expert_neurons, again.expert_neurons)
     with pytest.raises(ValueError, match="needs calibration data"):
         split_cluster(gate, up, 4, cluster_on="activations")
+
+
+def test_sample_rows_is_a_seeded_subset_without_repeats():
+    rows = torch.arange(40.0).view(20, 2)
+    sample = sample_rows(rows, 8, seed=3)
+    assert sample.shape == (8, 2)
+    assert len({tuple(row.tolist()) for row in sample}) == 8  # distinct rows of the input
+    assert all(row.tolist() in rows.tolist() for row in sample)
+    assert torch.equal(sample, sample_rows(rows, 8, seed=3))
+    assert not torch.equal(sample, sample_rows(rows, 8, seed=4))
+    assert sample_rows(rows, 20, seed=3) is rows  # small enough: all rows, in order
 
 
 def test_kmeans_router_uses_a_seeded_subset_of_at_most_max_points():
@@ -241,11 +253,9 @@ def tiny():
 
 def moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, num_shared=0):
     """Swap each dense MLP for its MoE block (top-k = N, zero router, scale N) and compare the logits."""
-    dense_config = {
-        k: v for k, v in model.config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")
-    }
     config = LlamaMoEConfig(
-        **dense_config, num_experts=num_experts, num_experts_per_tok=num_experts, score_scale_factor=float(num_experts),
+        **dense_config_fields(model.config), num_experts=num_experts, num_experts_per_tok=num_experts,
+        score_scale_factor=float(num_experts),
         num_shared_experts=num_shared, moe_intermediate_size=next(iter(splits.values())).expert_size,
     )
     with torch.no_grad():
@@ -412,14 +422,31 @@ def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, metho
     torch.testing.assert_close(converted_logits(zero.output_dir, input_ids), reference, atol=1e-4, rtol=0)
 
 
+def test_converter_loads_the_dense_model_once(tiny_folder, tmp_path, monkeypatch):
+    """The split pass, compensation and selector share one dense model, freed before the streaming write."""
+    from llama_moe_hf.conversion import convert_to_moe
+    from llama_moe_hf.conversion.source import FolderSource
+
+    loads = []
+    load_model = FolderSource.load_model
+    monkeypatch.setattr(FolderSource, "load_model", lambda self, dtype=None: loads.append(1) or load_model(self, dtype))
+    root, _, _ = tiny_folder
+    convert_to_moe(
+        root / "dense", tmp_path / "moe", method="cluster", cluster_on="gate", num_experts=4, top_k=2,
+        compensation=True, router_init="selector", selector_steps=2, calibration_data=str(root / "calibration.txt"),
+        calibration_tokens=256, calibration_seq_len=32, progress=False,
+    )  # fmt: skip
+    assert len(loads) == 1
+
+
 def test_converter_rejects_bad_calibrated_settings(tiny_folder, tmp_path):
     from llama_moe_hf.conversion import convert_to_moe
 
     root, _, _ = tiny_folder
     with pytest.raises(ValueError, match="--save-split / --load-split work with"):
         convert_to_moe(root / "dense", tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
-    with pytest.raises(ValueError, match="--cluster-on must be one of"):
-        convert_to_moe(root / "dense", tmp_path / "b", method="cluster", num_experts=4, cluster_on="down")
+    with pytest.raises(ValueError, match="--cluster-on must be one of"):  # before the (missing) source is opened
+        convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", num_experts=4, cluster_on="down")
     with pytest.raises(ValueError, match="fewer than one sequence of 100000"):
         convert_to_moe(
             root / "dense", tmp_path / "c", method="residual", num_experts=4, calibration_seq_len=100_000,

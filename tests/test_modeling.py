@@ -16,16 +16,13 @@ from transformers.initialization import no_init_weights
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf.conversion.convert import dense_config_fields
 from llama_moe_hf.conversion.experts import ExpertSplit, build_expert_tensors, split_random, split_upcycle
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoERouter, router_z_loss_func
 
-# Fields of a saved dense config that must not leak into the MoE config (model_type would shadow "llama_moe").
-_DENSE_ONLY_FIELDS = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype")
-
 
 def moe_config_from_dense(dense_config, **moe_fields) -> LlamaMoEConfig:
-    fields = {k: v for k, v in dense_config.to_dict().items() if k not in _DENSE_ONLY_FIELDS}
-    return LlamaMoEConfig(**fields, **moe_fields)
+    return LlamaMoEConfig(**dense_config_fields(dense_config), **moe_fields)
 
 
 def moe_from_dense(dense_model, split: ExpertSplit, router_std: float = 0.0, **moe_fields) -> LlamaMoEForCausalLM:
@@ -289,15 +286,19 @@ def test_transformers_experts_implementations_match_ours(implementation, num_sha
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 32, 33, 300])
-def test_every_expert_path_matches_grouped_mm(num_tokens):
-    """4 experts, top-2: up to 2 tokens take the per-pair (decoding) path, up to 32 transformers' grouped_mm path,
-    more the per-expert loop; each must equal transformers' grouped_mm implementation, gradients included."""
+@pytest.mark.parametrize(
+    "num_tokens, used_experts",
+    [(1, 4), (2, 4), (3, 4), (33, 4), (200, 4), (40, 2), (300, 4), (129, 2)],
+)
+def test_every_expert_path_matches_grouped_mm(num_tokens, used_experts):
+    """4 experts, top-2: up to 2 tokens take the per-pair (decoding) path; while no expert gets more than
+    BMM_MAX_ROWS_PER_EXPERT = 128 rows, the padded batched matmul (also with experts that get no token); beyond, the
+    per-expert loop. Each must equal transformers' grouped_mm implementation, gradients included."""
     model = tiny_moe()
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(num_tokens)
     states = torch.randn(num_tokens, 64, generator=generator)
-    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(num_tokens)])
+    index = torch.stack([torch.randperm(used_experts, generator=generator)[:2] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, 2, generator=generator)
 
     def run(implementation):

@@ -1,5 +1,7 @@
 """Dense -> MoE conversion: expert construction, streaming checkpoint conversion, model cards and Hub upload."""
 
+from . import calibrated_methods  # noqa: F401, E402  (registers the calibrated methods in METHODS)
+from .attention import AttnMoEFamily  # noqa: E402
 from .convert import (
     FAMILIES,
     METHODS,
@@ -12,8 +14,6 @@ from .convert import (
     count_parameters,
 )
 from .hub import push_folder
-from . import calibrated_methods  # noqa: F401, E402  (registers the calibrated methods in METHODS)
-from .attention import AttnMoEFamily  # noqa: E402
 
 FAMILIES["attn_moe"] = AttnMoEFamily
 

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..modeling.configuration_attn_moe import AttnMoEConfig
 from ..modeling.modeling_attn_moe import AttnMoEForCausalLM
-from .convert import _DROPPED_CONFIG_KEYS, ModelFamily, layer_seed
+from .convert import ModelFamily, dense_config_fields, layer_seed
 
 ATTENTION_ROUTER_INITS = ("zero", "random", "fit")
 _ATTENTION_KEYS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
@@ -27,8 +27,7 @@ def attn_moe_config(dense_config, **fields) -> AttnMoEConfig:
 
     Raises the config's ValueError for impossible head groupings or top-k.
     """
-    values = {k: v for k, v in dense_config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")}
-    return AttnMoEConfig(**{**values, **fields})
+    return AttnMoEConfig(**{**dense_config_fields(dense_config), **fields})
 
 
 def init_attention_router(
@@ -79,6 +78,7 @@ def fit_attention_routers(
     batch_size: int = 4,
     ridge: float = 1e-2,
     logit_std: float = 0.1,
+    progress: bool = True,
 ) -> dict[int, torch.Tensor]:
     """Training-free attention routers: per layer, `W [E, H]` such that `x W^T` predicts each expert's output norm.
 
@@ -118,7 +118,8 @@ def fit_attention_routers(
         handles.append(attention.register_forward_pre_hook(save_input(i), with_kwargs=True))
         handles.append(attention.o_proj.register_forward_pre_hook(accumulate(i)))
     try:
-        for start in tqdm(range(0, input_ids.shape[0], batch_size), desc="Fitting attention routers"):
+        batches = range(0, input_ids.shape[0], batch_size)
+        for start in tqdm(batches, desc="Fitting attention routers", unit="batch", disable=not progress):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
     finally:
         for handle in handles:
@@ -244,6 +245,11 @@ class AttnMoEFamily(ModelFamily):
         self.config = config
         return config
 
+    def prepare(self) -> None:
+        if self.router_init == "fit":
+            self._fit_routers()
+        self._dense_model = None
+
     def transform_attention(self, layer_idx: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         config = self.config
         if layer_idx not in config.attention_moe_layers:
@@ -269,7 +275,7 @@ class AttnMoEFamily(ModelFamily):
             model = dense_model(self)
             self._fitted = fit_attention_routers(
                 model, calibration_input_ids(self), config.num_attention_experts,
-                layers=config.attention_moe_layers, batch_size=o.calibration_batch_size,
+                layers=config.attention_moe_layers, batch_size=o.calibration_batch_size, progress=o.progress,
             )
         return self._fitted
 

@@ -13,12 +13,12 @@ import torch
 
 from .calibration import LayerCalibration, collect_calibration, load_calibration_texts, tokenize_calibration
 from .construction import (
-    CLUSTER_ON,
     check_loaded_split,
     construct_splits,
     kmeans_router,
     load_splits,
     save_splits,
+    split_needs_data,
 )
 from .convert import METHODS, ExpertMethod, SplitMethod
 
@@ -96,13 +96,15 @@ class CalibratedSplit(SplitMethod):
 
     def __init__(self, options, source):
         super().__init__(options, source)
-        if options.cluster_on not in CLUSTER_ON:
-            raise ValueError(f"--cluster-on must be one of {', '.join(CLUSTER_ON)}, got {options.cluster_on!r}.")
         if self.construction == "residual" and options.router_init == "random":
             # v2 routes by the centroids its experts were built from (the options are this conversion's own copy).
             options.router_init = "kmeans"
 
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
+        self._build_splits()
+        super().prepare()
+
+    def _build_splits(self) -> None:
         if getattr(self, "_splits", None) is not None:
             return
         o = self.options
@@ -123,16 +125,16 @@ class CalibratedSplit(SplitMethod):
                 self._kmeans_routers = routers
         else:
             kmeans = o.router_init == "kmeans" or self.construction == "residual"
+            needs_data = split_needs_data(self.construction, o.cluster_on, kmeans)
             # Methods without a gradient pass take the MLP inputs from the shared no-gradient pass.
-            by_activations = self.construction == "cluster" and o.cluster_on == "activations"
-            shared_pass = (kmeans or by_activations) and self.construction in ("cluster", "residual")
+            shared_pass = needs_data and self.construction in ("cluster", "residual")
             self._splits, routers = construct_splits(
                 dense_model(self),
                 self.construction,
                 layers,
                 num_experts=o.num_experts,
                 num_shared_experts=o.num_shared_experts,
-                input_ids=calibration_input_ids(self) if self.construction != "cluster" or shared_pass else None,
+                input_ids=calibration_input_ids(self) if needs_data else None,
                 cluster_on=o.cluster_on,
                 kmeans_routers=kmeans,
                 seed=o.seed,
@@ -148,14 +150,13 @@ class CalibratedSplit(SplitMethod):
                 o.save_split, self._splits, getattr(self, "_kmeans_routers", None), metadata={"method": o.method}
             )
             logger.info("Wrote the expert split to %s.", o.save_split)
-        self._dense_model = None  # free it before the streaming write (later calibration() calls reload it)
 
     def split(self, layer_idx, gate_proj, up_proj, down_proj):
-        self._prepare()
+        self._build_splits()
         return self._splits[layer_idx]
 
     def calibration_routers(self) -> dict[int, torch.Tensor]:
-        self._prepare()  # the split's own pass (or the split file) may already hold the routers
+        self._build_splits()  # the split's own pass (or the split file) may already hold the routers
         return super().calibration_routers()
 
     def conversion_info(self) -> dict:
@@ -163,9 +164,8 @@ class CalibratedSplit(SplitMethod):
         info = {"cluster_on": o.cluster_on} if self.construction == "cluster" else {}
         if o.load_split:
             info["split_file"] = str(o.load_split)
-        builds_split = not o.load_split and (
-            self.construction != "cluster" or o.router_init == "kmeans" or o.cluster_on == "activations"
-        )
+        kmeans = o.router_init == "kmeans"
+        builds_split = not o.load_split and split_needs_data(self.construction, o.cluster_on, kmeans)
         if builds_split or o.compensation or o.router_init == "selector":
             info.update(
                 calibration_data=o.calibration_data or "built-in stdlib docstrings",
@@ -178,7 +178,8 @@ class CalibratedSplit(SplitMethod):
 
 class ClusterSplit(CalibratedSplit):
     description = (
-        "LLaMA-MoE Independent-Clustering: balanced k-means on the L2-normalised FFN rows; each cluster is an expert."
+        "LLaMA-MoE Independent-Clustering: balanced k-means of the FFN neurons (their L2-normalised rows, or their "
+        "calibration activation profiles with --cluster-on activations); each cluster is an expert."
     )
     allows_shared_experts = False
     construction = "cluster"

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from .corpus import stdlib_docstrings
 
 logger = logging.getLogger(__name__)
+DEFAULT_CALIBRATION_SAMPLES = 8192  # MLP inputs kept per layer (`--calibration-samples`)
 
 TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet")
 # `token_groups(layer_idx, mlp_inputs [T, H]) -> group ids [T]`: buckets the importance of each token.
@@ -281,7 +282,7 @@ def collect_calibration(
     token_groups: TokenGroups | None = None,
     sequence_groups: torch.Tensor | None = None,
     num_groups: int = 1,
-    max_hidden_samples: int = 4096,
+    max_hidden_samples: int = DEFAULT_CALIBRATION_SAMPLES,
     batch_size: int = 4,
     device: torch.device | str | None = None,
     seed: int = 0,

@@ -1,6 +1,7 @@
 """Calibration-based expert construction (LLaMA-MoE v1 and v2) and k-means router initialisation.
 
     split_cluster             Independent-Clustering: balanced k-means on L2-normalised FFN rows (no data needed)
+                              or on the neurons' calibration activation profiles (`cluster_on="activations"`)
     split_sharing_inner       expert i = the top-m neurons by importance of calibration group i (experts may overlap)
     split_sharing_inter       most-shared neurons -> shared experts, the rest partitioned by importance
     residual (LLaMA-MoE v2)   `kmeans_router` on the MLP inputs, tokens grouped by router argmax, then the
@@ -22,10 +23,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .calibration import DEFAULT_CALIBRATION_SAMPLES, collect_calibration
 from .experts import ExpertSplit, check_split_sizes
 
 CLUSTER_ON = ("gate", "up", "both", "activations")
-ACTIVATION_CLUSTER_TOKENS = 4096  # calibration MLP inputs per neuron profile for cluster_on="activations"
+# Calibration MLP inputs used by k-means routers and by neuron profiles (cluster_on="activations"): a seeded subset
+# keeps exact balanced k-means affordable (one SmolLM2 layer: 1.8 s for 4096 points, 5.1 s for 8192, 18 s for
+# 16384), while the selector, which shares the sample, uses all of it.
+MAX_CLUSTER_POINTS = 4096
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
 
 
@@ -53,10 +58,23 @@ def balanced_kmeans(
     return torch.from_numpy(labels.astype(np.int64)), torch.from_numpy(kmeans.cluster_centers_).float()
 
 
+def sample_rows(rows: torch.Tensor, max_rows: int, seed: int) -> torch.Tensor:
+    """A seeded random subset of at most `max_rows` rows of `[n, d]` (all of them, in order, if n <= max_rows)."""
+    if rows.shape[0] <= max_rows:
+        return rows
+    generator = torch.Generator().manual_seed(seed)
+    return rows[torch.randperm(rows.shape[0], generator=generator)[:max_rows]]
+
+
 def _split_from_labels(labels: torch.Tensor, num_experts: int) -> ExpertSplit:
     # Equal-size clusters -> [E, m] neuron indices, ascending within each expert.
     order = torch.argsort(labels * labels.numel() + torch.arange(labels.numel()))
     return ExpertSplit(expert_neurons=order.view(num_experts, -1))
+
+
+def check_cluster_on(cluster_on: str) -> None:
+    if cluster_on not in CLUSTER_ON:
+        raise ValueError(f"--cluster-on must be one of {', '.join(CLUSTER_ON)}, got {cluster_on!r}.")
 
 
 def split_cluster(
@@ -72,16 +90,16 @@ def split_cluster(
     """LLaMA-MoE Independent-Clustering: neurons whose `cluster_on` rows point the same way share an expert.
 
     `cluster_on="activations"` clusters on calibration data instead (G-MoEfication's balanced clustering): each
-    neuron is its profile `|a_j(x) - mu_j| * ||down[:, j]||` over up to 4096 sampled MLP inputs, so neurons that
-    leave their means on the same tokens share an expert and a token's deviation energy gathers in few experts.
+    neuron is its profile `|a_j(x) - mu_j| * ||down[:, j]||` over a seeded `MAX_CLUSTER_POINTS` of the sampled MLP
+    inputs, so neurons that leave their means on the same tokens share an expert and a token's deviation energy
+    gathers in few experts.
     """
-    if cluster_on not in CLUSTER_ON:
-        raise ValueError(f"--cluster-on must be one of {', '.join(CLUSTER_ON)}, got {cluster_on!r}.")
+    check_cluster_on(cluster_on)
     check_split_sizes(up_proj.shape[0], num_experts)
     if cluster_on == "activations":
         if calibration is None or down_proj is None:
             raise ValueError("--cluster-on activations needs calibration data (the layer's MLP inputs) and down_proj.")
-        h = calibration.hidden_states[:ACTIVATION_CLUSTER_TOKENS].float()  # [n, H]
+        h = sample_rows(calibration.hidden_states, MAX_CLUSTER_POINTS, seed).float()  # [n, H]
         activation = F.silu(h @ gate_proj.float().T) * (h @ up_proj.float().T)  # [n, I]
         deviation = (activation - calibration.mean_activation.float()) * down_proj.float().norm(dim=0)
         features = F.normalize(deviation.abs().T, dim=1)  # [I, n]
@@ -165,22 +183,12 @@ def split_sharing_inter(importance: torch.Tensor, num_shared_experts: int) -> Ex
     )
 
 
-KMEANS_MAX_POINTS = 4096
-
-
 def kmeans_router(
-    hidden_states: torch.Tensor, num_experts: int, *, seed: int = 0, max_points: int = KMEANS_MAX_POINTS
+    hidden_states: torch.Tensor, num_experts: int, *, seed: int = 0, max_points: int = MAX_CLUSTER_POINTS
 ) -> torch.Tensor:
-    """Router weight `[E, H]`: centroids of balanced k-means on sampled MLP inputs `[n, H]` (LLaMA-MoE v2).
-
-    Uses a seeded subset of at most `max_points` inputs: the exact balanced assignment grows faster than linearly
-    (one SmolLM2 layer: 1.8 s for 4096 points, 5.1 s for 8192, 18 s for 16384), while the selector, which shares
-    the sample, gains from more.
-    """
-    if hidden_states.shape[0] > max_points:
-        generator = torch.Generator().manual_seed(seed)
-        hidden_states = hidden_states[torch.randperm(hidden_states.shape[0], generator=generator)[:max_points]]
-    _, centroids = balanced_kmeans(hidden_states, num_experts, seed=seed)
+    """Router weight `[E, H]`: centroids of balanced k-means on a seeded subset of at most `max_points` of the
+    sampled MLP inputs `[n, H]` (LLaMA-MoE v2)."""
+    _, centroids = balanced_kmeans(sample_rows(hidden_states, max_points, seed), num_experts, seed=seed)
     return centroids
 
 
@@ -354,6 +362,11 @@ def text_groups(
     return labels
 
 
+def split_needs_data(method: str, cluster_on: str, kmeans_routers: bool) -> bool:
+    """Whether `construct_splits` needs calibration text: all but `cluster` on weight rows without k-means routers."""
+    return method != "cluster" or kmeans_routers or cluster_on == "activations"
+
+
 def construct_splits(
     model,
     method: str,
@@ -367,26 +380,23 @@ def construct_splits(
     kmeans_routers: bool = False,
     seed: int = 0,
     batch_size: int = 4,
-    max_hidden_samples: int = 4096,
+    max_hidden_samples: int = DEFAULT_CALIBRATION_SAMPLES,
     stats: dict | None = None,
     progress: bool = True,
 ) -> tuple[dict[int, ExpertSplit], dict[int, torch.Tensor]]:
     """Expert splits (and k-means routers) of the dense `model`'s `layers` with a calibrated method.
 
-    `input_ids [B, S]` (from `tokenize_calibration`) is needed by every method except `cluster` without k-means
-    routers. `expert_size` only applies to `sharing-inner` (default I / E). Returns (splits, routers); routers are the
-    balanced k-means centroids of each layer's MLP inputs, computed for `residual` and when `kmeans_routers`.
+    `input_ids [B, S]` (from `tokenize_calibration`) is needed when `split_needs_data`. `expert_size` only applies
+    to `sharing-inner` (default I / E). Returns (splits, routers); routers are the balanced k-means centroids of each
+    layer's MLP inputs, computed for `residual` and when `kmeans_routers`.
     `stats`: an earlier no-gradient `collect_calibration` result over the same data, reused for the MLP inputs.
     """
-    from .calibration import collect_calibration
-
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"Unknown calibrated method {method!r}; choose one of {', '.join(CALIBRATED_METHODS)}.")
     if num_shared_experts and method in ("cluster", "sharing-inner"):
         raise ValueError(f"--method {method} makes no shared experts; use sharing-inter or residual for those.")
     by_activations = method == "cluster" and cluster_on == "activations"
-    needs_data = method != "cluster" or kmeans_routers or by_activations
-    if needs_data and input_ids is None:
+    if split_needs_data(method, cluster_on, kmeans_routers) and input_ids is None:
         raise ValueError(f"--method {method} needs calibration data (input_ids).")
     intermediate_size = _dense_mlp(model, layers[0]).down_proj.in_features
     check_split_sizes(intermediate_size, num_experts, num_shared_experts)

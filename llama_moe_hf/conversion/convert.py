@@ -29,12 +29,12 @@ from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..modeling import LlamaMoEConfig, LlamaMoEForCausalLM
+from .calibration import DEFAULT_CALIBRATION_SAMPLES
 from .card import write_model_card
 from .checkpoint import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
-from .construction import parse_moe_layers
+from .construction import check_cluster_on, parse_moe_layers
 from .experts import ExpertSplit, build_expert_tensors, check_split_sizes, split_random, split_sequential, split_upcycle
 from .source import DenseSource, Downloader, open_source, snapshot_download
-
 
 ROUTER_INITS = ("random", "zero", "kmeans", "selector")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +47,11 @@ _DROPPED_CONFIG_KEYS = (
     "dtype",
     "quantization_config",
 )
+
+
+def dense_config_fields(config) -> dict:
+    """The model fields of a dense LLaMA-family config, to build an MoE config from: `LlamaMoEConfig(**fields, ...)`."""
+    return {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")}
 
 
 @dataclass
@@ -78,8 +83,8 @@ class ConversionOptions:
     calibration_tokens: int = field(default=8192, metadata={"help": "calibration tokens (default: %(default)s)"})
     calibration_seq_len: int = field(default=256, metadata={"help": "tokens per sequence (default: %(default)s)"})
     calibration_samples: int = field(
-        default=8192,
-        metadata={"help": "MLP inputs kept per layer for k-means routers and the selector; memory: samples x hidden x 4 bytes x layers (default: %(default)s)"},
+        default=DEFAULT_CALIBRATION_SAMPLES,
+        metadata={"help": "MLP inputs kept per layer for the selector, k-means routers and --cluster-on activations (which use up to 4096 of them); memory: samples x hidden x 4 bytes x layers (default: %(default)s)"},
     )
     calibration_batch_size: int = field(default=4, metadata={"help": "sequences per pass (default: %(default)s)"})
     cluster_on: str = field(default="both", metadata={"help": "cluster gate, up or both rows, or activations on calibration data (default: %(default)s)"})
@@ -154,6 +159,15 @@ class ExpertMethod:
             "continual pre-training). With top-k equal to the number of experts, a zero router and score scale "
             "factor equal to the number of experts it computes exactly the dense model."
         )
+
+    def prepare(self) -> None:
+        """Run every calibration pass the write needs, then free the dense model, so that the write streams."""
+        o = self.options
+        if o.compensation or o.router_init == "selector":
+            self.calibration()
+        if o.router_init == "kmeans":
+            self.calibration_routers()
+        self._dense_model = None
 
     def calibration(self) -> dict:
         """Per MoE layer `LayerCalibration` (MLP input sample, mean activation) of the dense model, computed once."""
@@ -282,12 +296,10 @@ class ModelFamily:
         self.source = source
 
     def build_config(self, moe_fields: dict):
-        dense = {
-            k: v
-            for k, v in self.source.config.to_dict().items()
-            if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")
-        }
-        return self.config_class(**dense, **moe_fields)
+        return self.config_class(**dense_config_fields(self.source.config), **moe_fields)
+
+    def prepare(self) -> None:
+        """Run the calibration passes the attention rewrite needs (after `build_config`); none here."""
 
     def transform_attention(self, layer_idx: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Attention tensors of one layer, keyed by their names under `model.layers.{i}.self_attn.` (kept as is)."""
@@ -338,6 +350,7 @@ def _check_options(options: ConversionOptions) -> None:
         raise ValueError(f"--router-init selector makes a selector router; drop --router-type {options.router_type}.")
     if (options.compensation or options.router_init == "selector") and options.method == "upcycle":
         raise ValueError("--compensation and --router-init selector need a split method, not --method upcycle.")
+    check_cluster_on(options.cluster_on)
     if options.selector_steps < 0:
         raise ValueError(f"--selector-steps must be >= 0, got {options.selector_steps}.")
     if options.calibration_samples < 1:
@@ -473,6 +486,9 @@ def convert_to_moe(
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
+    # Calibration passes load the whole dense model; each object frees it again before the streaming write.
+    method.prepare()
+    family.prepare()
     with atomic_folder(output) as tmp:
         writer = ShardedWriter(tmp, expected, dtype, options.max_shard_size)
 

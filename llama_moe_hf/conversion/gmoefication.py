@@ -22,6 +22,7 @@ from ..modeling.modeling_llama_moe import LlamaMoERouter
 from .experts import ExpertSplit
 
 logger = logging.getLogger(__name__)
+ENERGY_CHUNK_TOKENS = 2048
 
 
 def compensation_table(split: ExpertSplit, down_proj: torch.Tensor, mean_activation: torch.Tensor) -> torch.Tensor:
@@ -39,11 +40,17 @@ def deviation_energy(
 ) -> torch.Tensor:
     """`[T, E]`: squared norm of `(a_e(x) - mu_e) @ down_e^T`, the output error of replacing expert e by its mean.
 
-    Pass `expert_mean = 0` for the error of dropping an expert without compensation. Computed in float32.
+    Pass `expert_mean = 0` for the error of dropping an expert without compensation. Computed in float32, in chunks
+    of tokens so that the `[T, E, H]` intermediate stays small for long calibration samples.
     """
-    gate, up = torch.einsum("th,efh->tef", hidden_states.float(), gate_up_proj.float()).chunk(2, dim=-1)
-    deviation = F.silu(gate) * up - expert_mean.to(gate.device, torch.float32)  # [T, E, m]
-    return torch.einsum("tem,ehm->teh", deviation, down_proj.float()).square().sum(-1)
+    gate_up_proj, down_proj = gate_up_proj.float(), down_proj.float()
+    expert_mean = expert_mean.to(gate_up_proj.device, torch.float32)
+    energies = []
+    for chunk in hidden_states.split(ENERGY_CHUNK_TOKENS):
+        gate, up = torch.einsum("th,efh->tef", chunk.float(), gate_up_proj).chunk(2, dim=-1)
+        deviation = F.silu(gate) * up - expert_mean  # [t, E, m]
+        energies.append(torch.einsum("tem,ehm->teh", deviation, down_proj).square().sum(-1))
+    return torch.cat(energies)
 
 
 def oracle_top_k(
