@@ -6,6 +6,8 @@ shapes and the same cold-cache, round-robin timing, so a target ratio can be che
     dense            the dense SwiGLU FFN (gate, up, down) the experts are cut from
     expert matmuls   only the routed experts' matmuls on rows already grouped by expert (no router, no gather, no
                      scatter, no weighting): the work left if every other step were free
+    padded bmm       the same as two batched matmuls over all experts, each expert's rows zero-padded to the
+                     largest count (the form our default uses for up to 128 rows per expert)
     one matmul       one matmul of the T input rows with a contiguous k/N slice of the dense weights: the FLOPs of a
                      top-k layer (and its weight bytes at 1 token) as a single GEMM, the form this CPU runs fastest
 
@@ -45,14 +47,15 @@ def main():
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, float32, cold cache | H={hidden}, "
         f"dense FFN={inter}, {experts} experts x {size}, top-{top_k}, ideal k/N={top_k / experts}"
     )
-    print("| tokens | dense ms | expert matmuls | one matmul |")
-    print("|---|---|---|---|")
+    print("| tokens | dense ms | expert matmuls | padded bmm | one matmul |")
+    print("|---|---|---|---|---|")
     with torch.no_grad():
         for num_tokens in args.tokens:
             x = torch.randn(num_tokens, hidden)
             routing = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)])
             counts = torch.bincount(routing.flatten(), minlength=experts).tolist()
             grouped = [torch.randn(count, hidden) for count in counts]  # each expert's rows, already gathered
+            padded = torch.randn(experts, max(counts), hidden)  # [E, C, H], C = the largest count
 
             def dense_ffn():
                 F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down.T)
@@ -63,10 +66,19 @@ def main():
                         g, u = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
                         F.linear(F.silu(g) * u, expert_down[e])
 
+            def padded_bmm():
+                g, u = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+                torch.bmm(F.silu(g) * u, expert_down.transpose(1, 2))
+
             def one_matmul():
                 F.linear(x, slice_weight)
 
-            functions = {"dense": dense_ffn, "expert matmuls": expert_matmuls, "one matmul": one_matmul}
+            functions = {
+                "dense": dense_ffn,
+                "expert matmuls": expert_matmuls,
+                "padded bmm": padded_bmm,
+                "one matmul": one_matmul,
+            }
             samples = {name: [] for name in functions}
             for round_idx in range(3 + args.repeats):
                 for name, function in functions.items():
@@ -76,7 +88,7 @@ def main():
                     if round_idx >= 3:
                         samples[name].append(time.perf_counter() - start)
             median = {name: statistics.median(times) for name, times in samples.items()}
-            ratios = " | ".join(f"{median[name] / median['dense']:.3f}" for name in ("expert matmuls", "one matmul"))
+            ratios = " | ".join(f"{median[name] / median['dense']:.3f}" for name in list(functions)[1:])
             print(f"| {num_tokens} | {median['dense'] * 1e3:.3f} | {ratios} |", flush=True)
 
 

@@ -1,5 +1,6 @@
 """llama-moe-hf: turn dense LLaMA-family checkpoints into Mixture-of-Experts models for transformers."""
 
+from .conversion import ConversionOptions, convert_to_moe, push_folder
 from .modeling import (
     AttnMoEConfig,
     AttnMoEForCausalLM,
@@ -8,7 +9,6 @@ from .modeling import (
     LlamaMoEForCausalLM,
     LlamaMoEModel,
 )
-from .conversion import ConversionOptions, convert_to_moe, push_folder
 
 __version__ = "0.1.0"
 

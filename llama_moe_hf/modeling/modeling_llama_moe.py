@@ -18,7 +18,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
-from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -37,9 +36,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_llama_moe import LlamaMoEConfig
 
-# Default expert compute: up to this many (token, expert) rows per expert on average, the grouped-GEMM path is faster
-# than a per-expert loop (16 experts x 256 neurons, top-4, on CPU: 16-token inputs; docs/benchmarks.md).
-GROUPED_MM_MAX_ROWS_PER_EXPERT = 16
+# Default expert compute: while no expert gets more than this many (token, expert) rows, one batched matmul over
+# zero-padded per-expert rows beats a loop of small per-expert matmuls (16 experts x 256 neurons, top-4, on CPU:
+# inputs of up to ~400 tokens; docs/benchmarks.md).
+BMM_MAX_ROWS_PER_EXPERT = 128
 
 
 def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.Tensor | int:
@@ -130,29 +130,42 @@ class LlamaMoEExperts(nn.Module):
             ]  # T x [H]
             return torch.stack(rows)
 
-        if top_k_index.numel() <= GROUPED_MM_MAX_ROWS_PER_EXPERT * self.num_experts:
-            # Few rows per expert (short prompts): transformers' grouped-GEMM path (one gather, one grouped matmul per
-            # projection, no host sync) beats a per-expert loop whose fixed cost per expert dominates here.
-            return grouped_mm_experts_forward(self, hidden_states, top_k_index, weights)
-
-        # Long inputs: group the T*k (token, expert) pairs by expert with one argsort and a single host sync (the
-        # per-expert counts). Each expert then gathers only its own rows, so the working set stays cache-sized (one
-        # gather of all T*k rows is slower on CPU), and adds its weighted output back in place.
+        # Group the S = T*k (token, expert) pairs by expert with one argsort and a single host sync (the counts).
         top_k = top_k_index.shape[-1]
-        flat_index = top_k_index.reshape(-1)  # [S], S = T*k
+        flat_index = top_k_index.reshape(-1)  # [S]
         order = flat_index.argsort()  # [S]
-        counts = torch.bincount(flat_index, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_index, minlength=self.num_experts)  # [E]
+        counts_list = counts.tolist()
         token_index = order // top_k  # [S]
-        sorted_weights = weights.reshape(-1, 1)[order]  # [S, 1]
-
+        sorted_weights = weights.reshape(-1, 1).index_select(0, order)  # [S, 1]
         output = torch.zeros_like(hidden_states)  # [T, H]
+
+        capacity = max(counts_list)
+        if capacity <= BMM_MAX_ROWS_PER_EXPERT:
+            # Prompts: expert e's rows fill rows [e * C, (e + 1) * C) of a padded layout, C = the largest count, and
+            # each projection is one batched matmul over all experts: a loop of small per-expert matmuls runs far
+            # below GEMM speed. Padding rows repeat token 0 with weight 0: computed, but they add nothing.
+            sorted_experts = flat_index.index_select(0, order)  # [S]
+            first_of_expert = counts.cumsum(0) - counts  # [E]
+            slot = torch.arange(order.numel(), device=order.device) - first_of_expert[sorted_experts]  # [S]
+            padded_rows = sorted_experts * capacity + slot  # [S]
+            row_token = token_index.new_zeros(self.num_experts * capacity).index_copy_(0, padded_rows, token_index)
+            row_weight = weights.new_zeros(self.num_experts * capacity, 1).index_copy(0, padded_rows, sorted_weights)
+            padded = hidden_states.index_select(0, row_token).view(self.num_experts, capacity, -1)  # [E, C, H]
+            gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, m] each
+            expert_output = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
+            return output.index_add_(0, row_token, expert_output.view(row_token.numel(), -1) * row_weight)
+
+        # Long inputs: each expert gathers only its own rows, so the working set stays cache-sized (one gather of all
+        # S rows is slower on CPU), and adds its weighted output back in place.
         start = 0
-        for expert_idx, count in enumerate(counts):
+        for expert_idx, count in enumerate(counts_list):
             if count == 0:
                 continue
             end = start + count
             tokens = token_index[start:end]  # [n]
-            output.index_add_(0, tokens, self._expert(hidden_states[tokens], expert_idx) * sorted_weights[start:end])
+            expert_output = self._expert(hidden_states.index_select(0, tokens), expert_idx)  # [n, H]
+            output.index_add_(0, tokens, expert_output * sorted_weights[start:end])
             start = end
         return output
 
