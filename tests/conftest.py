@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
@@ -23,6 +23,12 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     )
     fields.update(overrides)
     return LlamaConfig(**fields)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A seeded random model of `tiny_llama_config(**overrides)`, in eval mode."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import tiny_llama, tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -27,11 +27,9 @@ GQA_SHAPES = [(32, 8, 128), (9, 3, 72)]
 
 
 def dense_model(num_heads=8, num_kv_heads=2, hidden_size=64, seed=0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = tiny_llama_config(
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, hidden_size=hidden_size, **overrides
+    return tiny_llama(
+        seed, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, hidden_size=hidden_size, **overrides
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def all_experts(num_experts: int, **fields) -> dict:

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from conftest import tiny_llama
+from transformers import AutoTokenizer
 
 from llama_moe_hf.conversion.calibration import collect_calibration, load_calibration_texts, tokenize_calibration
-
-from conftest import tiny_llama_config
 
 DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
 
@@ -112,8 +111,7 @@ def test_tokenize_rejects_text_shorter_than_a_sequence(tokenizer):
 
 @pytest.fixture
 def tiny_model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config()).eval()
+    return tiny_llama()
 
 
 def _reference_stats(model, input_ids, layer, groups):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama_config
-from transformers import LlamaForCausalLM
+from conftest import tiny_llama
 
 from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
 from llama_moe_hf.conversion.construction import (
@@ -245,8 +244,7 @@ def test_parse_moe_layers_errors(spec, message):
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(intermediate_size=96)).eval()
+    model = tiny_llama()
     input_ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(5))
     return model, input_ids
 
@@ -344,8 +342,7 @@ def tiny_folder(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("calibrated")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    model = tiny_llama()
     model.save_pretrained(root / "dense")
     vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

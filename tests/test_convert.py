@@ -4,6 +4,7 @@ GGUF and Hub sources, and bad input that must fail cleanly without leaving anyth
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import tiny_llama, tiny_llama_config
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -26,8 +27,7 @@ from llama_moe_hf.conversion.source import load_gguf_model
 
 def save_tiny_dense(path: Path, seed: int = 0, **save_kwargs) -> LlamaForCausalLM:
     """A tiny random GQA LLaMA saved as safetensors; returns the model (fp32, eval)."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    model = tiny_llama(seed)
     model.save_pretrained(path, **save_kwargs)
     return model
 
@@ -413,7 +413,7 @@ def test_corrupt_and_incomplete_checkpoints(workspace, tmp_path, tiny_dense_shar
         convert_to_moe(garbage, out_root / "moe", progress=False)
 
     missing_shard = tmp_path / "missing-shard"
-    save_tiny_dense(missing_shard, max_shard_size="20KB")
+    shutil.copytree(tiny_dense_sharded, missing_shard)
     (missing_shard / "model-00002-of-00014.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="lists shards that are missing"):
         convert_to_moe(missing_shard, out_root / "moe", progress=False)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import tiny_llama, tiny_llama_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.initialization import no_init_weights
@@ -48,11 +48,6 @@ def moe_from_dense(dense_model, split: ExpertSplit, router_std: float = 0.0, **m
     model.load_state_dict(state_dict, strict=True)
     model.tie_weights()
     return model.eval()
-
-
-def tiny_dense(**overrides):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_llama_config(**overrides)).eval()
 
 
 def tiny_moe(**moe_fields) -> LlamaMoEForCausalLM:
@@ -120,7 +115,7 @@ def assert_same_logits(moe, dense, input_ids, atol=1e-4):
 
 @pytest.mark.parametrize("num_shared_experts", [0, 2])
 def test_all_experts_on_with_unit_weights_is_the_dense_model_tiny(num_shared_experts):
-    dense = tiny_dense()
+    dense = tiny_llama()
     split = split_random(96, 4, num_shared_experts=num_shared_experts, seed=1)
     moe = moe_from_dense(dense, split, num_experts_per_tok=4, score_scale_factor=4.0)
     assert_same_logits(moe, dense, token_batch())
@@ -139,21 +134,21 @@ def test_all_experts_on_with_unit_weights_is_the_dense_model_smollm2(smollm2, re
 
 def test_the_identity_test_can_fail():
     """Guards the test above: a single expert off breaks the identity."""
-    dense = tiny_dense()
+    dense = tiny_llama()
     moe = moe_from_dense(dense, split_random(96, 4), num_experts_per_tok=3, score_scale_factor=4.0)
     with pytest.raises(AssertionError):
         assert_same_logits(moe, dense, token_batch())
 
 
 def test_upcycled_model_equals_dense_for_any_router():
-    dense = tiny_dense()
+    dense = tiny_llama()
     for router_type in ("top_k", "noisy_top_k"):
         moe = moe_from_dense(dense, split_upcycle(96, 4), router_std=1.0, router_type=router_type)
         assert_same_logits(moe, dense, token_batch())
 
 
 def test_moe_layers_subset_keeps_dense_mlps_elsewhere():
-    dense = tiny_dense(num_hidden_layers=3)
+    dense = tiny_llama(num_hidden_layers=3)
     moe = moe_from_dense(dense, split_random(96, 4), num_experts_per_tok=4, score_scale_factor=4.0, moe_layers=[1])
     keys = moe.state_dict().keys()
     assert "model.layers.0.mlp.gate_proj.weight" in keys and "model.layers.2.mlp.down_proj.weight" in keys
@@ -162,7 +157,7 @@ def test_moe_layers_subset_keeps_dense_mlps_elsewhere():
 
 
 def test_per_layer_score_scale_factor():
-    dense = tiny_dense()
+    dense = tiny_llama()
     split = split_random(96, 4)
     moe = moe_from_dense(dense, split, num_experts_per_tok=4, score_scale_factor=[4.0, 4.0])
     assert_same_logits(moe, dense, token_batch())
@@ -394,7 +389,7 @@ def test_aux_loss_ignores_padding():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    dense = tiny_dense(num_hidden_layers=3)
+    dense = tiny_llama(num_hidden_layers=3)
     moe = moe_from_dense(
         dense,
         split_random(96, 3, num_shared_experts=1),
