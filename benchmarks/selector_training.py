@@ -9,16 +9,17 @@ docs/quality.md. Objectives:
 
     bce-adam       the first selector objective: binary cross-entropy against energy / the token's largest,
                    full-batch Adam (lr 1e-2, --adam-steps steps)
-    listwise-lbfgs gmoefication.train_selector: listwise cross-entropy (`selector_loss`), L-BFGS, 100 iterations
+    bce-lbfgs      gmoefication.train_selector(objective="bce"): the same loss, L-BFGS, 100 iterations
+    listwise-lbfgs gmoefication.train_selector (default objective): listwise cross-entropy, L-BFGS, 100 iterations
 
-    python benchmarks/selector_training.py --threads 1      # docs/quality.md, "Training the selector"
+    python benchmarks/selector_training.py --threads 1 --objectives bce-adam listwise-lbfgs   # docs/quality.md
+    python benchmarks/selector_training.py --train-tokens 12288 --objectives bce-lbfgs listwise-lbfgs
 """
 
 import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf.conversion import gmoefication as g
@@ -29,6 +30,7 @@ from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import build_expert_tensors
 
 TOP_K = (2, 4, 6, 7)
+OBJECTIVES = ("bce-adam", "bce-lbfgs", "listwise-lbfgs")
 
 
 def dropped_energy_ratio(scores: torch.Tensor, energy: torch.Tensor, top_k: int) -> float:
@@ -39,14 +41,13 @@ def dropped_energy_ratio(scores: torch.Tensor, energy: torch.Tensor, top_k: int)
 
 
 def train_bce_adam(hidden: torch.Tensor, energy: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
-    targets = energy / energy.amax(dim=-1, keepdim=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         router = g._selector_router(hidden.shape[1], energy.shape[1])
     optimizer = torch.optim.Adam(router.parameters(), lr=1e-2)
     for _ in range(steps):
         optimizer.zero_grad()
-        F.binary_cross_entropy_with_logits(router(hidden)[0], targets).backward()
+        g.selector_loss(router(hidden)[0], energy, objective="bce").backward()
         optimizer.step()
     return router.state_dict()
 
@@ -57,6 +58,7 @@ def main():
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 10, 20, 29])
     parser.add_argument("--train-tokens", type=int, nargs="+", default=[2048, 4096, 12288])
     parser.add_argument("--adam-steps", type=int, default=1000)
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -87,12 +89,12 @@ def main():
         held_hidden, held_energy = hidden[num_train:], energy[num_train:]
         for n in args.train_tokens:
             n = min(n, num_train)
-            for objective in ("bce-adam", "listwise-lbfgs"):
+            for objective in args.objectives:
                 started = time.time()
                 if objective == "bce-adam":
                     state = train_bce_adam(hidden[:n], energy[:n], args.adam_steps)
                 else:
-                    state = g.train_selector(hidden[:n], energy[:n], 8)
+                    state = g.train_selector(hidden[:n], energy[:n], 8, objective=objective.split("-")[0])
                 scores = g.selector_scores(state, held_hidden)
                 ratios = results.setdefault((objective, n), {k: [] for k in TOP_K})
                 for k in TOP_K:

@@ -442,6 +442,8 @@ def test_converter_rejects_bad_calibrated_settings(tiny_folder, tmp_path):
     root, _, _ = tiny_folder
     with pytest.raises(ValueError, match="--save-split / --load-split work with"):
         convert_to_moe(root / "dense", tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
+    with pytest.raises(ValueError, match="--selector-objective must be one of"):
+        convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", selector_objective="mse")
     with pytest.raises(ValueError, match="--cluster-on must be one of"):  # before the (missing) source is opened
         convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", num_experts=4, cluster_on="down")
     with pytest.raises(ValueError, match="fewer than one sequence of 100000"):

@@ -144,19 +144,26 @@ def selector_problem(seed=0, num_tokens=2400):
     return hidden, energy
 
 
-def test_selector_trains_deterministically_and_beats_a_random_router():
+@pytest.mark.parametrize("objective, max_excess", [("listwise", 0.7), ("bce", 0.8)])
+def test_selector_trains_deterministically_and_beats_a_random_router(objective, max_excess):
     hidden, energy = selector_problem()
     train, test = slice(0, 2000), slice(2000, None)
-
-    def excess_loss(state):  # above the floor that scores equal to the log energies reach
+    if objective == "bce":  # the loss floor: the binary entropy of the soft labels
+        labels = energy[train] / energy[train].amax(-1, keepdim=True)
+        floor = F.binary_cross_entropy(labels, labels)
+    else:  # scores equal to the log energies
         floor = g.selector_loss(energy[train].log(), energy[train])
-        return (g.selector_loss(g.selector_scores(state, hidden[train]), energy[train]) - floor).item()
 
-    untrained = g.train_selector(hidden[train], energy[train], NUM_EXPERTS, steps=0)
-    trained = g.train_selector(hidden[train], energy[train], NUM_EXPERTS, steps=50, seed=0)
-    short, again = (g.train_selector(hidden[train], energy[train], NUM_EXPERTS, steps=5, seed=0) for _ in range(2))
+    def excess_loss(state):
+        return (g.selector_loss(g.selector_scores(state, hidden[train]), energy[train], objective) - floor).item()
+
+    def fit(steps, seed=0):
+        return g.train_selector(hidden[train], energy[train], NUM_EXPERTS, steps=steps, seed=seed, objective=objective)
+
+    untrained, trained = fit(0), fit(50)
+    short, again = fit(5), fit(5)
     assert all(torch.equal(short[k], again[k]) for k in short)
-    assert excess_loss(trained) < 0.7 * excess_loss(untrained)
+    assert excess_loss(trained) < max_excess * excess_loss(untrained)
 
     random_scores = torch.rand(energy[test].shape, generator=torch.Generator().manual_seed(1))
     for top_k in (2, NUM_EXPERTS - 1):  # ranks both ends: what to keep and what to drop
@@ -173,9 +180,11 @@ def test_selector_loss_is_lowest_for_scores_ranked_like_the_energy():
     assert g.selector_loss(exact, energy) < g.selector_loss(torch.zeros_like(exact), energy)
 
 
-def test_train_selector_rejects_mismatched_energies():
+def test_train_selector_rejects_mismatched_energies_and_unknown_objectives():
     with pytest.raises(ValueError, match="energies must be"):
         g.train_selector(torch.randn(10, 8), torch.rand(10, 3), num_experts=4)
+    with pytest.raises(ValueError, match="Unknown selector objective 'mse'"):
+        g.train_selector(torch.randn(10, 8), torch.rand(10, 4), num_experts=4, objective="mse")
 
 
 def test_oracle_routing_hooks_route_every_layer_and_are_removed():

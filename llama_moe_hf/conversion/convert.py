@@ -34,6 +34,7 @@ from .card import write_model_card
 from .checkpoint import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from .construction import check_cluster_on, parse_moe_layers
 from .experts import ExpertSplit, build_expert_tensors, check_split_sizes, split_random, split_sequential, split_upcycle
+from .gmoefication import SELECTOR_OBJECTIVES, gmoefication_tensors
 from .source import DenseSource, Downloader, open_source, snapshot_download
 
 ROUTER_INITS = ("random", "zero", "kmeans", "selector")
@@ -101,6 +102,7 @@ class ConversionOptions:
     # selector router (router_type "selector", unit expert weights, score scale 1.0 by default).
     compensation: bool = field(default=False, metadata={"help": "G-MoEfication: store each expert's mean output and add it for the experts a token skips"})
     selector_steps: int = field(default=100, metadata={"help": "--router-init selector: L-BFGS iterations per layer (default: %(default)s)"})
+    selector_objective: str = field(default="listwise", metadata={"help": "--router-init selector: listwise ranking loss, or MoEfication's bce (default: %(default)s)"})
 
     def torch_dtype(self) -> torch.dtype | None:
         if self.dtype in (None, "auto"):
@@ -224,13 +226,12 @@ class SplitMethod(ExpertMethod):
         split = self.split(layer_idx, gate_proj, up_proj, down_proj)
         tensors = build_expert_tensors(gate_proj, up_proj, down_proj, split)
         if o.compensation or o.router_init == "selector":
-            from .gmoefication import gmoefication_tensors
-
             stats = self.calibration()[layer_idx]
             extra, _ = gmoefication_tensors(
                 stats.hidden_states, stats.mean_activation, split, tensors, down_proj,
                 compensation=o.compensation, selector=o.router_init == "selector", top_k=o.top_k,
-                selector_steps=o.selector_steps, seed=layer_seed(o.seed, layer_idx, 2),
+                selector_steps=o.selector_steps, selector_objective=o.selector_objective,
+                seed=layer_seed(o.seed, layer_idx, 2),
             )
             tensors.update(extra)  # `compensation`, and the selector's `gate.*`
         if o.router_init != "selector":
@@ -351,6 +352,10 @@ def _check_options(options: ConversionOptions) -> None:
     if (options.compensation or options.router_init == "selector") and options.method == "upcycle":
         raise ValueError("--compensation and --router-init selector need a split method, not --method upcycle.")
     check_cluster_on(options.cluster_on)
+    if options.selector_objective not in SELECTOR_OBJECTIVES:
+        raise ValueError(
+            f"--selector-objective must be one of {', '.join(SELECTOR_OBJECTIVES)}, got {options.selector_objective!r}."
+        )
     if options.selector_steps < 0:
         raise ValueError(f"--selector-steps must be >= 0, got {options.selector_steps}.")
     if options.calibration_samples < 1:

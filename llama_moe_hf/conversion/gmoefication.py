@@ -23,6 +23,7 @@ from .experts import ExpertSplit
 
 logger = logging.getLogger(__name__)
 ENERGY_CHUNK_TOKENS = 2048
+SELECTOR_OBJECTIVES = ("listwise", "bce")
 
 
 def compensation_table(split: ExpertSplit, down_proj: torch.Tensor, mean_activation: torch.Tensor) -> torch.Tensor:
@@ -91,15 +92,22 @@ def oracle_routing(model, expert_means: dict[int, torch.Tensor]):
             handle.remove()
 
 
-def selector_loss(scores: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
-    """Listwise cross-entropy (ListNet) of the selector's `scores [T, E]` against the `deviation_energy [T, E]`.
+def selector_loss(scores: torch.Tensor, energy: torch.Tensor, objective: str = "listwise") -> torch.Tensor:
+    """Loss of the selector's `scores [T, E]` against the `deviation_energy [T, E]`.
 
-    Only the ranking of the scores matters to a top-k router, so they are fit to the log energies up to a per-token
-    constant, from both ends: `softmax(scores)` to the energy shares (which experts to keep, what top-2 needs) and
-    `softmax(-scores)` to the inverse-energy shares (which experts to drop, what top-6 of 8 needs). On SmolLM2 this
-    ranks better at every k than binary cross-entropy on normalised energies (docs/quality.md).
+    `"listwise"` (default): listwise cross-entropy (ListNet). Only the ranking of the scores matters to a top-k
+    router, so they are fit to the log energies up to a per-token constant, from both ends: `softmax(scores)` to the
+    energy shares (which experts to keep, what top-2 needs) and `softmax(-scores)` to the inverse-energy shares (which
+    experts to drop, what top-6 of 8 needs). On SmolLM2 this ranks better at every k than `"bce"` (docs/quality.md).
+    `"bce"`: MoEfication's objective, binary cross-entropy of `sigmoid(scores)` against each expert's energy divided
+    by the token's largest.
     """
-    log_energy = energy.clamp_min(torch.finfo(energy.dtype).tiny).log()
+    tiny = torch.finfo(energy.dtype).tiny
+    if objective == "bce":
+        return F.binary_cross_entropy_with_logits(scores, energy / energy.amax(-1, keepdim=True).clamp_min(tiny))
+    if objective != "listwise":
+        raise ValueError(f"Unknown selector objective {objective!r}; choose one of {', '.join(SELECTOR_OBJECTIVES)}.")
+    log_energy = energy.clamp_min(tiny).log()
     keep = -(F.softmax(log_energy, -1) * F.log_softmax(scores, -1)).sum(-1)
     drop = -(F.softmax(-log_energy, -1) * F.log_softmax(-scores, -1)).sum(-1)
     return (keep + drop).mean()
@@ -142,11 +150,12 @@ def train_selector(
     num_experts: int,
     steps: int = 100,
     seed: int = 0,
+    objective: str = "listwise",
 ) -> dict[str, torch.Tensor]:
     """Fit MoEfication's selector `Linear(H, E) -> tanh -> Linear(E, E)` to rank the experts by `energy`.
 
-    Full-batch L-BFGS (`steps` iterations, strong-Wolfe line search) on `selector_loss`: the network is tiny and the
-    batch fits in memory, so it converges in ~100 iterations where Adam needs ~1000 and diverges at high learning
+    Full-batch L-BFGS (`steps` iterations, strong-Wolfe line search) on `selector_loss(..., objective)`: the network
+    is tiny and the batch fits in memory, so it converges in ~100 iterations where Adam needs ~1000 and diverges at high learning
     rates. Deterministic for a given seed. Returns the router's state dict (`weight`, `bias`, `selector.weight`,
     `selector.bias`), to be loaded as `mlp.gate` of a `router_type="selector"` layer.
     """
@@ -166,9 +175,9 @@ def train_selector(
 
         def closure():
             optimizer.zero_grad(set_to_none=True)
-            loss = selector_loss(router(hidden_states)[0], energy)
-            loss.backward()
-            return loss
+            value = selector_loss(router(hidden_states)[0], energy, objective)
+            value.backward()
+            return value
 
         optimizer.step(closure)
     return {name: tensor.detach().clone() for name, tensor in router.state_dict().items()}
@@ -191,6 +200,7 @@ def gmoefication_tensors(
     selector: bool,
     top_k: int,
     selector_steps: int = 100,
+    selector_objective: str = "listwise",
     seed: int = 0,
     holdout: float = 0.1,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -210,7 +220,9 @@ def gmoefication_tensors(
         gate_up_proj, experts_down = expert_tensors["experts.gate_up_proj"], expert_tensors["experts.down_proj"]
         energy = deviation_energy(hidden_states, gate_up_proj, experts_down, expert_mean)
         num_train = max(1, round(hidden_states.shape[0] * (1 - holdout)))
-        state = train_selector(hidden_states[:num_train], energy[:num_train], split.num_experts, selector_steps, seed)
+        state = train_selector(
+            hidden_states[:num_train], energy[:num_train], split.num_experts, selector_steps, seed, selector_objective
+        )
         if num_train < hidden_states.shape[0]:
             held_out = hidden_states[num_train:]
             generator = torch.Generator().manual_seed(seed)
