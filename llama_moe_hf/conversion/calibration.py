@@ -257,6 +257,7 @@ class _LayerAccumulator:
 
     def result(self) -> LayerCalibration:
         hidden = torch.cat(self.samples) if self.samples else torch.empty(0, self.hidden_size)
+        self.samples = []  # kept, the per-batch pieces would double the sample's memory until the pass returns
         importance = counts = None
         if self.with_gradients:
             counts = self.group_counts
