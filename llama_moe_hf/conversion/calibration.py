@@ -207,14 +207,17 @@ class LayerCalibration:
 class _LayerAccumulator:
     """Hooks on one dense MLP: `mlp` (inputs) and `mlp.down_proj` (activations h and, in backward, dL/dh)."""
 
-    def __init__(self, layer_idx, mlp, num_groups, token_groups, with_gradients):
+    def __init__(self, layer_idx, mlp, num_groups, token_groups, with_gradients, num_samples):
         self.layer_idx = layer_idx
         self.num_groups = num_groups
         self.token_groups = token_groups
         self.with_gradients = with_gradients
         self.hidden_size = mlp.down_proj.out_features
         self.sample_rows: torch.Tensor | None = None  # rows of the current batch to keep, set per batch
-        self.samples: list[torch.Tensor] = []
+        # Filled in place, batch by batch: appending pieces and concatenating them at the end would leave the freed
+        # pieces in the allocator's heap and about double the resident memory (measured: 11.9 GB for 30 x 65536).
+        self.samples = torch.empty(num_samples, self.hidden_size)
+        self.num_sampled = 0
         self.activation_sum = torch.zeros(mlp.down_proj.in_features, dtype=torch.float64)
         self.importance_sum = torch.zeros(num_groups, mlp.down_proj.in_features, dtype=torch.float64)
         self.group_counts = torch.zeros(num_groups, dtype=torch.long)
@@ -228,7 +231,9 @@ class _LayerAccumulator:
     def _mlp_input(self, module, args):
         x = args[0].detach().flatten(0, -2)  # [T, H]
         if self.sample_rows is not None and self.sample_rows.numel():
-            self.samples.append(x[self.sample_rows.to(x.device)].float().cpu())
+            end = self.num_sampled + self.sample_rows.numel()
+            self.samples[self.num_sampled : end] = x[self.sample_rows.to(x.device)].float().cpu()
+            self.num_sampled = end
         if self.with_gradients:
             if self.token_groups is None:
                 self.groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
@@ -256,8 +261,7 @@ class _LayerAccumulator:
         self.group_counts += torch.bincount(groups, minlength=self.num_groups).cpu()
 
     def result(self) -> LayerCalibration:
-        hidden = torch.cat(self.samples) if self.samples else torch.empty(0, self.hidden_size)
-        self.samples = []  # kept, the per-batch pieces would double the sample's memory until the pass returns
+        hidden = self.samples[: self.num_sampled]
         importance = counts = None
         if self.with_gradients:
             counts = self.group_counts
@@ -318,7 +322,8 @@ def collect_calibration(
     sample = torch.randperm(total_tokens, generator=generator)[:max_hidden_samples].sort().values
 
     accumulators = {
-        i: _LayerAccumulator(i, decoder_layers[i].mlp, num_groups, token_groups, with_gradients) for i in layers
+        i: _LayerAccumulator(i, decoder_layers[i].mlp, num_groups, token_groups, with_gradients, sample.numel())
+        for i in layers
     }
     was_training = model.training
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
