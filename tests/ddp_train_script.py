@@ -6,26 +6,20 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import tiny_llama_config  # this script's folder is on sys.path
 from datasets import Dataset
 from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf.conversion.convert import dense_config_fields
 
 
 def main(output_dir: Path):
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     config = LlamaMoEConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
+        **dense_config_fields(tiny_llama_config()), num_experts=4, num_experts_per_tok=2, output_router_logits=True
     )
     model = LlamaMoEForCausalLM(config)
     if rank == 0:

@@ -540,15 +540,3 @@ def _convert_layer(layer_idx, source, config, method, family, write) -> None:
     for name, tensor in tensors.items():  # norms (and the dense MLP of non-MoE layers)
         write(f"{prefix}{name}", tensor)
 
-
-__all__ = [
-    "FAMILIES",
-    "METHODS",
-    "ConversionOptions",
-    "ConversionResult",
-    "ExpertMethod",
-    "ModelFamily",
-    "SplitMethod",
-    "convert_to_moe",
-    "count_parameters",
-]
