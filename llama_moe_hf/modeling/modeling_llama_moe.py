@@ -133,7 +133,7 @@ class LlamaMoEExperts(nn.Module):
         # Group the S = T*k (token, expert) pairs by expert with one argsort and a single host sync (the counts).
         top_k = top_k_index.shape[-1]
         flat_index = top_k_index.reshape(-1)  # [S]
-        order = flat_index.argsort()  # [S]
+        sorted_experts, order = flat_index.sort()  # [S] each
         counts = torch.bincount(flat_index, minlength=self.num_experts)  # [E]
         counts_list = counts.tolist()
         token_index = order // top_k  # [S]
@@ -145,7 +145,6 @@ class LlamaMoEExperts(nn.Module):
             # Prompts: expert e's rows fill rows [e * C, (e + 1) * C) of a padded layout, C = the largest count, and
             # each projection is one batched matmul over all experts: a loop of small per-expert matmuls runs far
             # below GEMM speed. Padding rows repeat token 0 with weight 0: computed, but they add nothing.
-            sorted_experts = flat_index.index_select(0, order)  # [S]
             first_of_expert = counts.cumsum(0) - counts  # [E]
             slot = torch.arange(order.numel(), device=order.device) - first_of_expert[sorted_experts]  # [S]
             padded_rows = sorted_experts * capacity + slot  # [S]
