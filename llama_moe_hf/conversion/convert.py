@@ -34,7 +34,7 @@ from .card import write_model_card
 from .checkpoint import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from .construction import check_cluster_on, parse_moe_layers
 from .experts import ExpertSplit, build_expert_tensors, check_split_sizes, split_random, split_sequential, split_upcycle
-from .gmoefication import SELECTOR_OBJECTIVES, gmoefication_tensors
+from .gmoefication import check_selector_objective, gmoefication_tensors
 from .source import DenseSource, Downloader, open_source, snapshot_download
 
 ROUTER_INITS = ("random", "zero", "kmeans", "selector")
@@ -352,10 +352,7 @@ def _check_options(options: ConversionOptions) -> None:
     if (options.compensation or options.router_init == "selector") and options.method == "upcycle":
         raise ValueError("--compensation and --router-init selector need a split method, not --method upcycle.")
     check_cluster_on(options.cluster_on)
-    if options.selector_objective not in SELECTOR_OBJECTIVES:
-        raise ValueError(
-            f"--selector-objective must be one of {', '.join(SELECTOR_OBJECTIVES)}, got {options.selector_objective!r}."
-        )
+    check_selector_objective(options.selector_objective)
     if options.selector_steps < 0:
         raise ValueError(f"--selector-steps must be >= 0, got {options.selector_steps}.")
     if options.calibration_samples < 1:

@@ -92,6 +92,14 @@ def oracle_routing(model, expert_means: dict[int, torch.Tensor]):
             handle.remove()
 
 
+def check_selector_objective(objective: str) -> None:
+    if objective not in SELECTOR_OBJECTIVES:
+        raise ValueError(
+            f"Unknown selector objective {objective!r}; --selector-objective must be one of "
+            f"{', '.join(SELECTOR_OBJECTIVES)}."
+        )
+
+
 def selector_loss(scores: torch.Tensor, energy: torch.Tensor, objective: str = "listwise") -> torch.Tensor:
     """Loss of the selector's `scores [T, E]` against the `deviation_energy [T, E]`.
 
@@ -102,11 +110,10 @@ def selector_loss(scores: torch.Tensor, energy: torch.Tensor, objective: str = "
     `"bce"`: MoEfication's objective, binary cross-entropy of `sigmoid(scores)` against each expert's energy divided
     by the token's largest.
     """
+    check_selector_objective(objective)
     tiny = torch.finfo(energy.dtype).tiny
     if objective == "bce":
         return F.binary_cross_entropy_with_logits(scores, energy / energy.amax(-1, keepdim=True).clamp_min(tiny))
-    if objective != "listwise":
-        raise ValueError(f"Unknown selector objective {objective!r}; choose one of {', '.join(SELECTOR_OBJECTIVES)}.")
     log_energy = energy.clamp_min(tiny).log()
     keep = -(F.softmax(log_energy, -1) * F.log_softmax(scores, -1)).sum(-1)
     drop = -(F.softmax(-log_energy, -1) * F.log_softmax(-scores, -1)).sum(-1)
@@ -155,10 +162,11 @@ def train_selector(
     """Fit MoEfication's selector `Linear(H, E) -> tanh -> Linear(E, E)` to rank the experts by `energy`.
 
     Full-batch L-BFGS (`steps` iterations, strong-Wolfe line search) on `selector_loss(..., objective)`: the network
-    is tiny and the batch fits in memory, so it converges in ~100 iterations where Adam needs ~1000 and diverges at high learning
-    rates. Deterministic for a given seed. Returns the router's state dict (`weight`, `bias`, `selector.weight`,
-    `selector.bias`), to be loaded as `mlp.gate` of a `router_type="selector"` layer.
+    is tiny and the batch fits in memory, so it converges in ~100 iterations where Adam needs ~1000 and diverges at
+    high learning rates. Deterministic for a given seed. Returns the router's state dict (`weight`, `bias`,
+    `selector.weight`, `selector.bias`), to be loaded as `mlp.gate` of a `router_type="selector"` layer.
     """
+    check_selector_objective(objective)
     if energy.shape != (hidden_states.shape[0], num_experts):
         raise ValueError(
             f"Selector energies must be [tokens, num_experts] = [{hidden_states.shape[0]}, {num_experts}], "
