@@ -9,6 +9,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]),
+    py_modules=["llama_moe_cli"],
     install_requires=[
         "torch>=2.9",
         "transformers>=5.23,<6",
@@ -17,6 +18,8 @@ setup(
         "accelerate>=1.15",
         "gguf>=0.19",
         "tqdm",
+        "pyyaml",
+        "trl>=1.16",  # TrlParser: the command line's dataclass flags and --config recipe files
     ],
     extras_require={
         "calibration": ["datasets>=5.2", "k-means-constrained>=0.9.1", "scikit-learn"],
@@ -31,5 +34,5 @@ setup(
             "scikit-learn",
         ],
     },
-    entry_points={"console_scripts": ["llama-moe=llama_moe_hf.cli:main"]},
+    entry_points={"console_scripts": ["llama-moe=llama_moe_cli:main"]},
 )

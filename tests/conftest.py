@@ -1,39 +1,13 @@
-"""Shared fixtures: tiny random LLaMA configs with grouped-query attention, and the real SmolLM2 model and text."""
+"""Shared fixtures: the real SmolLM2 model and text, and a tiny dense checkpoint on disk. Helpers: helpers.py."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import logits, save_tiny_dense
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.default_model import default_model_path
-
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    """A small dense LLaMA config with 8 query heads over 2 KV heads (GQA)."""
-    fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
-
-
-def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A seeded random model of `tiny_llama_config(**overrides)`, in eval mode."""
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
-
-
-@pytest.fixture
-def tiny_config() -> LlamaConfig:
-    return tiny_llama_config()
+from llama_moe_hf.conversion.sources import default_model_path
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +28,20 @@ def smollm2(smollm2_path):
 def real_text() -> list[str]:
     """Real English technical prose (Python standard-library docstrings), deterministic, no download."""
     return stdlib_docstrings()
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory):
+    """A tiny dense checkpoint folder (character tokenizer, calibration text file beside it): (folder, input ids,
+    dense logits). Tests must not modify it."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_dense(root / "dense")
+    (root / "calibration.txt").write_text("\n\n".join(stdlib_docstrings()[:20]))
+    input_ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    return root / "dense", input_ids, logits(model, input_ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tiny_dense):
+    """The calibration text file beside `tiny_dense`."""
+    return tiny_dense[0].parent / "calibration.txt"

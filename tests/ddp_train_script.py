@@ -6,13 +6,13 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import tiny_llama_config  # this script's folder is on sys.path
 from datasets import Dataset
+from helpers import tiny_llama_config  # this script's folder is on sys.path
 from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.conversion.convert import dense_config_fields
+from llama_moe_hf.conversion.families.base import dense_config_fields
 
 
 def main(output_dir: Path):

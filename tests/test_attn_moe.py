@@ -6,21 +6,17 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_llama_config
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from helpers import tiny_llama, tiny_llama_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from llama_moe_hf import AttnMoEForCausalLM
-from llama_moe_hf.conversion.attention import (
-    attn_moe_config,
-    attn_moe_from_dense,
-    build_attention_tensors,
-    expert_output_norms,
-    fit_attention_routers,
-    init_attention_router,
-)
-from llama_moe_hf.conversion.experts import split_random
+from llama_moe_hf import AttnMoEConfig, AttnMoEForCausalLM, build_moe, convert_to_moe
+from llama_moe_hf.commands import main
+from llama_moe_hf.conversion.attention_fit import expert_output_norms, fit_attention_router
+from llama_moe_hf.conversion.families.base import dense_config_fields
+from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
+from llama_moe_hf.modeling.modeling_llama_moe import router_z_loss_func
 
 # (query heads, KV heads, hidden size): 32/8-style and 9/3-style grouped-query attention.
 GQA_SHAPES = [(32, 8, 128), (9, 3, 72)]
@@ -32,12 +28,17 @@ def dense_model(num_heads=8, num_kv_heads=2, hidden_size=64, seed=0, **overrides
     )
 
 
+def attn_config(dense_config, **fields) -> AttnMoEConfig:
+    return AttnMoEConfig(**dense_config_fields(dense_config), **fields)
+
+
 def all_experts(num_experts: int, **fields) -> dict:
-    """Every expert selected with unit weight: top-k = E, uniform router (weights 1/E), scale factor E."""
+    """Every expert selected with unit weight: top-k = E, zero router (weights 1/E), scale factor E."""
     return dict(
-        num_attention_experts=num_experts,
-        num_attention_experts_per_tok=num_experts,
-        attention_score_scale_factor=float(num_experts),
+        attn_experts=num_experts,
+        attn_top_k=num_experts,
+        attn_score_scale_factor=float(num_experts),
+        attn_router_init="zero",
         **fields,
     )
 
@@ -51,10 +52,11 @@ def batch_of_ids(vocab_size=128, batch=2, length=12, seed=1) -> torch.LongTensor
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_granularity_is_inferred_and_checked(tiny_config):
-    config = attn_moe_config(tiny_config, num_attention_experts=2)  # 8 query heads / 2 KV heads
+def test_granularity_is_inferred_and_checked():
+    tiny_config = tiny_llama_config()
+    config = attn_config(tiny_config, num_attention_experts=2)  # 8 query heads / 2 KV heads
     assert (config.attention_expert_granularity, config.heads_per_attention_expert) == ("kv_group", 4)
-    config = attn_moe_config(tiny_config, num_attention_experts=8, num_attention_experts_per_tok=3)
+    config = attn_config(tiny_config, num_attention_experts=8, num_attention_experts_per_tok=3)
     assert (config.attention_expert_granularity, config.heads_per_attention_expert) == ("query_heads", 1)
     # MLP dense by default: the MoE fields describe the attention routers (what TRL's aux loss reads).
     assert config.moe_layers == [] and (config.num_experts, config.num_experts_per_tok) == (8, 3)
@@ -65,7 +67,10 @@ def test_granularity_is_inferred_and_checked(tiny_config):
     "fields, message",
     [
         (dict(num_attention_experts=3), r"Valid counts: \[2, 4, 8\]"),  # 3 does not divide the heads
-        (dict(num_attention_experts=4, attention_expert_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
+        (
+            dict(num_attention_experts=4, attention_expert_granularity="kv_group"),
+            r"whole groups.*Valid counts: \[1, 2\]",
+        ),
         (dict(num_attention_experts=1, attention_expert_granularity="query_heads"), "split a KV head"),
         (dict(num_attention_experts=2, attention_expert_granularity="heads"), "Unknown attention_expert_granularity"),
         (dict(num_attention_experts=4, num_attention_experts_per_tok=5), r"between 1 and num_attention_experts=4"),
@@ -75,18 +80,18 @@ def test_granularity_is_inferred_and_checked(tiny_config):
         (dict(attention_moe_layers=[0, 5]), r"attention_moe_layers \[5\] are outside"),
     ],
 )
-def test_bad_settings_give_one_clear_error(tiny_config, fields, message):
+def test_bad_settings_give_one_clear_error(fields, message):
     with pytest.raises(ValueError, match=message):
-        attn_moe_config(tiny_config, **fields)
+        attn_config(tiny_llama_config(), **fields)
 
 
 def test_grouping_that_splits_a_kv_head_is_refused():
     # 12 query heads / 3 KV heads (groups of 4): 2 experts of 6 heads would cut group 1 in half.
     config = tiny_llama_config(num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     with pytest.raises(ValueError, match="split a KV head"):
-        attn_moe_config(config, num_attention_experts=2, attention_expert_granularity="query_heads")
+        attn_config(config, num_attention_experts=2, attention_expert_granularity="query_heads")
     with pytest.raises(ValueError, match=r"Valid counts: \[1, 3\]"):
-        attn_moe_config(config, num_attention_experts=2)
+        attn_config(config, num_attention_experts=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,7 +108,7 @@ def test_all_experts_with_unit_weights_is_the_dense_model(num_heads, num_kv_head
     counts = {c for g in ("kv_group", "query_heads") for c in _valid_counts(num_heads, num_kv_heads, g)}
     assert len(counts) >= 3  # e.g. 9/3: 1 or 3 whole groups, or single query heads
     for num_experts in sorted(counts):
-        model = attn_moe_from_dense(dense, router_init="zero", **all_experts(num_experts))
+        model = build_moe(dense, **all_experts(num_experts))
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=0)
 
@@ -118,9 +123,8 @@ def _valid_counts(num_heads, num_kv_heads, granularity):
 def test_output_is_the_weighted_sum_of_expert_outputs(num_experts, top_k, router_type):
     """Against an independent reference: dense LlamaAttention per-head outputs, each expert through its o_proj slice."""
     dense = dense_model()
-    model = attn_moe_from_dense(
-        dense, router_init="random", num_attention_experts=num_experts, num_attention_experts_per_tok=top_k,
-        attention_router_type=router_type, attention_score_scale_factor=1.7,
+    model = build_moe(
+        dense, attn_experts=num_experts, attn_top_k=top_k, attn_router_type=router_type, attn_score_scale_factor=1.7
     )
     attention = model.model.layers[0].self_attn
     torch.nn.init.normal_(attention.gate.weight, std=1.0)  # decisive routing
@@ -154,7 +158,7 @@ def test_smollm2_all_experts_is_the_dense_model(smollm2, real_text):
     with torch.no_grad():
         expected = dense(**ids).logits
     for num_experts in (3, 9):  # whole KV groups (3 heads each); single query heads
-        model = attn_moe_from_dense(dense, router_init="zero", **all_experts(num_experts))
+        model = build_moe(dense, **all_experts(num_experts))
         with torch.no_grad():
             logits = model(**ids).logits
         mask = ids["attention_mask"].bool()
@@ -170,10 +174,7 @@ def test_smollm2_all_experts_is_the_dense_model(smollm2, real_text):
 @pytest.fixture(scope="module")
 def routed_smollm2(smollm2):
     """SmolLM2 with 9 attention experts (one query head each), top-6, random routers, scale 6 (kept heads ~ unit)."""
-    model = attn_moe_from_dense(
-        smollm2[0], router_init="random", num_attention_experts=9, num_attention_experts_per_tok=6,
-        attention_score_scale_factor=6.0, seed=3,
-    )
+    model = build_moe(smollm2[0], attn_experts=9, attn_top_k=6, attn_score_scale_factor=6.0, seed=3)
     return model, smollm2[1]
 
 
@@ -194,7 +195,7 @@ def test_generation_with_cache_equals_without(routed_smollm2):
 
 
 def test_cached_decoding_equals_the_full_forward_tiny():
-    model = attn_moe_from_dense(dense_model(), num_attention_experts=8, num_attention_experts_per_tok=3)
+    model = build_moe(dense_model(), attn_experts=8, attn_top_k=3)
     ids = batch_of_ids(length=12)
     with torch.no_grad():
         full = model(ids).logits
@@ -219,7 +220,7 @@ def test_left_padded_batch_generation_equals_one_by_one(routed_smollm2):
 def test_beam_search_with_cache_equals_without():
     # Large init: decisive logits, so the beams do not hinge on float noise.
     dense = dense_model(initializer_range=0.5)
-    model = attn_moe_from_dense(dense, num_attention_experts=4, num_attention_experts_per_tok=2, router_init="random")
+    model = build_moe(dense, attn_experts=4, attn_top_k=2)
     ids = batch_of_ids(batch=1, length=6)
     beams = dict(max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -230,7 +231,7 @@ def test_beam_search_with_cache_equals_without():
 
 def test_eager_equals_sdpa_with_padding():
     dense = dense_model()
-    model = attn_moe_from_dense(dense, num_attention_experts=4, num_attention_experts_per_tok=2)
+    model = build_moe(dense, attn_experts=4, attn_top_k=2)
     ids = batch_of_ids(length=10)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -251,7 +252,7 @@ def test_eager_equals_sdpa_with_padding():
 def test_attention_only_router_logits_and_aux_loss_match_trl():
     from trl.trainer.utils import add_fused_lm_head
 
-    model = attn_moe_from_dense(dense_model(), num_attention_experts=4, num_attention_experts_per_tok=2)
+    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2)
     ids = batch_of_ids()
     out = model(ids, labels=ids, output_router_logits=True)
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (24, 4)
@@ -269,33 +270,65 @@ def test_attention_only_router_logits_and_aux_loss_match_trl():
 
 
 def test_combined_with_mlp_moe_reports_both_router_groups():
-    dense = dense_model()
-    splits = {i: split_random(96, 4, seed=i) for i in (0, 1)}
-    model = attn_moe_from_dense(
-        dense, num_attention_experts=2, num_attention_experts_per_tok=1, moe_layers=[0, 1], num_experts=4,
-        num_experts_per_tok=2, mlp_splits=splits, attention_moe_layers=[1],
-    )
+    model = build_moe(dense_model(), attn_experts=2, attn_top_k=1, attn_layers=["1"], mlp_moe=True, num_experts=4)
     ids = batch_of_ids()
     out = model(ids, output_router_logits=True)
     assert [t.shape for t in out.router_logits] == [(24, 4), (24, 4)]  # MLP routers
     assert [t.shape for t in out.attention_router_logits] == [(24, 2)]  # attention router of layer 1 only
-    expected = load_balancing_loss_func(out.router_logits, 4, 2) + load_balancing_loss_func(
-        out.attention_router_logits, 2, 1
-    )
-    torch.testing.assert_close(out.aux_loss, expected)
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss_func(out.router_logits, 4, 2))
+    torch.testing.assert_close(out.attention_aux_loss, load_balancing_loss_func(out.attention_router_logits, 2, 1))
     assert not isinstance(model.model.layers[0].self_attn, AttnMoEAttention)
+
+
+def test_attention_balance_and_z_losses_reach_the_gradients_in_training():
+    """With an MLP MoE, `router_logits` (what the head and TRL weight) are the MLP routers': the attention routers'
+    balance loss and every router's z-loss are attached to the graph instead."""
+    ids = batch_of_ids()
+    fields = dict(attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4)
+    model = build_moe(dense_model(), **fields).train()
+    model.config.router_z_loss_coef = 0.3
+    reference = build_moe(dense_model(), **fields).train()
+    for layer in [*model.model.layers, *reference.model.layers]:
+        layer.self_attn.z_loss_weight = layer.mlp.z_loss_weight = 0.3 / 4  # the config's coef over 4 routers
+    for layer in reference.model.layers:
+        layer.self_attn.z_loss_weight = layer.mlp.z_loss_weight = 0.0
+    reference.config.router_aux_loss_coef = 0.0  # no in-graph attention balance: written out below
+    out = model(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    ref = reference(ids, labels=ids, output_router_logits=True)
+    total = ref.loss + 0.01 * (ref.aux_loss + ref.attention_aux_loss)
+    total = total + 0.3 * router_z_loss_func(ref.router_logits + ref.attention_router_logits)
+    torch.testing.assert_close(out.loss, ref.loss + 0.01 * ref.aux_loss)
+    total.backward()
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert model.model.layers[0].self_attn.gate.weight.grad.abs().sum() > 0
 
 
 def test_combined_all_experts_is_the_dense_model():
     dense = dense_model()
-    splits = {i: split_random(96, 4, seed=i) for i in (0, 1)}
-    model = attn_moe_from_dense(
-        dense, router_init="zero", moe_layers=[0, 1], num_experts=4, num_experts_per_tok=4, score_scale_factor=4.0,
-        mlp_splits=splits, **all_experts(4),
+    model = build_moe(
+        dense, mlp_moe=True, num_experts=4, top_k=4, router_init="zero", score_scale_factor=4.0, **all_experts(4)
     )
     ids = batch_of_ids()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_static_cache_and_compiled_decoding():
+    model = build_moe(dense_model(), attn_experts=8, attn_top_k=3, mlp_moe=True, num_experts=4)
+    ids = batch_of_ids(batch=1, length=6)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
+    model.config.attention_experts_implementation = "gathered"  # falls back to masked under compile / static cache
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    for cache in caches:
+        model(ids, past_key_values=cache, use_cache=True)
+    expected = model(ids[:, -1:], past_key_values=caches[0], use_cache=True).logits
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    got = compiled(input_ids=ids[:, -1:], past_key_values=caches[1], use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,16 +347,14 @@ with torch.no_grad():
 
 
 def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
-    dense = dense_model()
-    splits = {1: split_random(96, 4, seed=0)}
-    model = attn_moe_from_dense(
-        dense, num_attention_experts=4, num_attention_experts_per_tok=2, moe_layers=[1], num_experts=4,
-        num_experts_per_tok=1, mlp_splits=splits,
+    model = build_moe(
+        dense_model(), attn_experts=4, attn_top_k=2, mlp_moe=True, moe_layers=["1"], num_experts=4, top_k=1
     )
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "attn_moe"
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_attn_moe.AttnMoEForCausalLM"
+    assert saved["auto_map"]["AutoModelForTokenClassification"] == "modeling_attn_moe.AttnMoEForTokenClassification"
     for name in ("modeling_attn_moe.py", "configuration_attn_moe.py", "modeling_llama_moe.py"):
         assert (tmp_path / name).is_file()
 
@@ -335,7 +366,10 @@ def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits[0, -1], expected)
     result = subprocess.run(
         [sys.executable, "-c", REMOTE_LOAD, str(tmp_path), json.dumps(ids.tolist())],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
@@ -346,7 +380,7 @@ def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
 def test_lora_adapter_trains():
     from peft import LoraConfig, get_peft_model
 
-    model = attn_moe_from_dense(dense_model(), num_attention_experts=4, num_attention_experts_per_tok=2).train()
+    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2).train()
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0))
     ids = batch_of_ids(length=16)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -366,27 +400,24 @@ def test_lora_adapter_trains():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_conversion_tensors_and_errors():
-    dense_attention = {k: v for k, v in dense_model().model.layers[0].self_attn.state_dict().items()}
-    router = init_attention_router(4, 64, "random", seed=1)
-    tensors = build_attention_tensors(dense_attention, router)
-    assert set(tensors) == set(dense_attention) | {"gate.weight"}
-    assert all(tensors[k] is dense_attention[k] for k in dense_attention)  # a key copy
-    assert torch.equal(router, init_attention_router(4, 64, "random", seed=1))
-    assert not init_attention_router(4, 64, "zero").any()
-    with pytest.raises(ValueError, match="lacks"):
-        build_attention_tensors({"q_proj.weight": dense_attention["q_proj.weight"]}, router)
-    with pytest.raises(ValueError, match=r"must be \[num_experts, 64\]"):
-        build_attention_tensors(dense_attention, torch.zeros(4, 32))
-    with pytest.raises(ValueError, match="Unknown attention router init"):
-        init_attention_router(4, 64, "kmeans")
+def test_attention_conversion_keeps_the_projections_and_adds_seeded_routers():
+    dense = dense_model()
+    first, second = (build_moe(dense, attn_experts=4, attn_top_k=2, seed=1) for _ in range(2))
+    zero = build_moe(dense, attn_experts=4, attn_top_k=2, attn_router_init="zero")
+    state, dense_state = first.state_dict(), dense.state_dict()
+    assert set(state) == set(dense_state) | {f"model.layers.{i}.self_attn.gate.weight" for i in (0, 1)}
+    assert all(torch.equal(state[k], v) for k, v in dense_state.items())
+    gate = "model.layers.1.self_attn.gate.weight"
+    assert torch.equal(state[gate], second.state_dict()[gate]) and state[gate].std() > 0.01
+    assert not zero.state_dict()[gate].any()
 
 
 def test_fitted_router_prefers_the_experts_with_the_largest_outputs(smollm2, real_text):
     dense, tokenizer = smollm2
     ids = tokenizer(real_text[:8], return_tensors="pt", truncation=True, max_length=64, padding="max_length")
     calibration, held_out = ids["input_ids"][:6], ids["input_ids"][6:]
-    routers = fit_attention_routers(dense, calibration, num_experts=9, layers=[3, 20])
+    stats = collect_calibration(dense, calibration, attention_experts={3: 9, 20: 9}, progress=False)
+    routers = {layer: fit_attention_router(stats.attention[layer]) for layer in (3, 20)}
 
     # Held-out agreement of the fitted router's top-3 with the 3 largest expert outputs, vs 1/3 for a random pick.
     captured = {}
@@ -411,9 +442,9 @@ def test_fitted_router_prefers_the_experts_with_the_largest_outputs(smollm2, rea
 @pytest.mark.parametrize("num_experts, top_k", [(2, 1), (8, 3)])
 def test_gathered_implementation_equals_masked(implementation, num_experts, top_k):
     dense = dense_model(attention_bias=True)
-    fields = dict(num_attention_experts=num_experts, num_attention_experts_per_tok=top_k)
-    masked = attn_moe_from_dense(dense, **fields)
-    gathered = attn_moe_from_dense(dense, attention_experts_implementation="gathered", **fields)
+    masked = build_moe(dense, attn_experts=num_experts, attn_top_k=top_k)
+    gathered = build_moe(dense, attn_experts=num_experts, attn_top_k=top_k)
+    gathered.config.attention_experts_implementation = "gathered"
     for model in (masked, gathered):
         model.set_attn_implementation(implementation)
     ids = batch_of_ids(length=10)
@@ -449,11 +480,14 @@ def tiny_dense_folder(tmp_path_factory):
 
 
 def test_converter_all_experts_reproduces_dense(tmp_path, tiny_dense_folder):
-    from llama_moe_hf.conversion import convert_to_moe
-
     path, dense = tiny_dense_folder
     result = convert_to_moe(
-        path, tmp_path / "out", attn_experts=8, attn_top_k=8, attn_router_init="zero", attn_score_scale_factor=8.0,
+        path,
+        tmp_path / "out",
+        attn_experts=8,
+        attn_top_k=8,
+        attn_router_init="zero",
+        attn_score_scale_factor=8.0,
         progress=False,
     )
     model = AutoModelForCausalLM.from_pretrained(result.output_dir).eval()
@@ -467,8 +501,6 @@ def test_converter_all_experts_reproduces_dense(tmp_path, tiny_dense_folder):
 
 def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
     from safetensors import safe_open
-
-    from llama_moe_hf.conversion import convert_to_moe
 
     path, _ = tiny_dense_folder
     result = convert_to_moe(
@@ -484,13 +516,14 @@ def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
     assert config["attention_score_scale_factor"] == 1.0  # default: the attention top-k
     card = (out / "README.md").read_text()
     assert "| Attention experts per layer | 2 (4 query head(s) each, granularity `kv_group`" in card
-    assert "| Routed experts per MoE layer | 4 |" in card and "attention-moe" in card
+    assert "| Routed experts per MoE layer | 4 |" in card and "attn-moe" in card
     # Active parameters: half of q_proj/o_proj (1 of 2 attention experts), half of the MLP experts (2 of 4).
     q_and_o = 2 * 2 * 64 * 64
     experts = 2 * 3 * 96 * 64
     assert result.total_parameters - result.active_parameters == q_and_o // 2 + experts // 2
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model(batch_of_ids(), output_router_logits=True).aux_loss is not None
+    out = model(batch_of_ids(), output_router_logits=True)
+    assert out.aux_loss is not None and out.attention_aux_loss is not None
 
 
 @pytest.mark.parametrize(
@@ -499,21 +532,21 @@ def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
         (dict(attn_experts=3), r"Valid counts: \[2, 4, 8\]"),
         (dict(attn_experts=4, attn_top_k=5), "between 1 and num_attention_experts=4"),
         (dict(attn_experts=4, num_experts=4), "--num-experts shape an MLP MoE; add --mlp-moe"),
-        (dict(attn_experts=4, attn_router_init="kmeans"), "Unknown --attn-router-init"),
+        (
+            dict(attn_experts=4, attn_router_init="kmeans"),
+            "'kmeans' cannot start attention routers; choose one of fit, random, zero",
+        ),
+        (dict(attn_experts=4, attn_router_type="selector"), "A 'selector' router is made by router init selector"),
         (dict(attn_experts=4, attn_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
     ],
 )
 def test_converter_bad_attention_options(tmp_path, tiny_dense_folder, options, message):
-    from llama_moe_hf.conversion import convert_to_moe
-
     with pytest.raises(ValueError, match=message):
         convert_to_moe(tiny_dense_folder[0], tmp_path / "out", progress=False, **options)
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_attention_flags(tmp_path, tiny_dense_folder):
-    from llama_moe_hf.cli import main
-
     out = tmp_path / "cli"
     args = ["convert", "--model", str(tiny_dense_folder[0]), "--output", str(out), "--no-progress"]
     assert main(args + ["--attn-experts", "4", "--attn-top-k", "2", "--attn-score-scale-factor", "1.5"]) == 0

@@ -1,13 +1,16 @@
-"""Calibration data loading, tokenisation and the streaming statistics pass."""
+"""Calibration data loading, tokenisation, the statistics pass, and the one context per conversion."""
 
 import json
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers import tiny_llama
 from transformers import AutoTokenizer
 
-from llama_moe_hf.conversion.calibration import collect_calibration, load_calibration_texts, tokenize_calibration
+from llama_moe_hf import MoERecipe
+from llama_moe_hf.conversion import calibration
+from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.statistics import collect_calibration
 
 DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
 
@@ -140,9 +143,16 @@ def test_statistics_match_autograd_and_ignore_batch_size(tiny_model):
     sequence_groups = torch.tensor([0, 1, 2, 0, 1, 2])
     runs = [
         collect_calibration(
-            tiny_model, input_ids, [0, 1], with_gradients=True, sequence_groups=sequence_groups, num_groups=3,
-            max_hidden_samples=30, batch_size=batch_size,
-        )
+            tiny_model,
+            input_ids,
+            [0, 1],
+            with_gradients=True,
+            sequence_groups=sequence_groups,
+            num_groups=3,
+            max_hidden_samples=30,
+            batch_size=batch_size,
+            progress=False,
+        ).mlp
         for batch_size in (1, 4)
     ]
     # The model is left as it was: no parameter gradients, flags restored.
@@ -158,17 +168,70 @@ def test_statistics_match_autograd_and_ignore_batch_size(tiny_model):
 
 def test_token_groups_and_hidden_samples(tiny_model):
     input_ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(2))
-    parity = lambda layer, x: (x[:, 0] > 0).long()  # noqa: E731
+    parity = lambda layer, x: (x[:, 0] > 0).long()
     stats = collect_calibration(
         tiny_model, input_ids, [1], with_gradients=True, token_groups=parity, num_groups=2, max_hidden_samples=100
-    )[1]
+    ).mlp[1]
     samples = stats.hidden_states  # every token when the sample is larger than the data
     assert samples.shape == (24, 64)
     assert stats.group_counts.tolist() == [int((samples[:, 0] <= 0).sum()), int((samples[:, 0] > 0).sum())]
-    without_gradients = collect_calibration(tiny_model, input_ids, [1], max_hidden_samples=100)[1]
+    without_gradients = collect_calibration(tiny_model, input_ids, [1], max_hidden_samples=100).mlp[1]
     assert without_gradients.importance is None
     torch.testing.assert_close(without_gradients.hidden_states, samples)
     with pytest.raises(ValueError, match="group ids in"):
         collect_calibration(tiny_model, input_ids, [1], with_gradients=True, token_groups=parity, num_groups=1)
     with pytest.raises(ValueError, match="outside 0..1"):
         collect_calibration(tiny_model, input_ids, [2])
+
+
+def test_one_pass_records_mlp_attention_and_sequence_statistics(tiny_model):
+    """What separate passes would record, recorded together in one."""
+    input_ids = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(3))
+    together = collect_calibration(
+        tiny_model,
+        input_ids,
+        [0, 1],
+        attention_experts={1: 2},
+        sequence_embeddings=True,
+        max_hidden_samples=40,
+        progress=False,
+    )
+    alone = collect_calibration(tiny_model, input_ids, [0, 1], max_hidden_samples=40, progress=False)
+    for i in (0, 1):
+        torch.testing.assert_close(together.mlp[i].hidden_states, alone.mlp[i].hidden_states)
+        torch.testing.assert_close(together.mlp[i].mean_activation, alone.mlp[i].mean_activation)
+    with torch.no_grad():
+        final = tiny_model.model(input_ids).last_hidden_state
+    torch.testing.assert_close(together.sequence_embeddings, final.mean(dim=1))
+    attention = together.attention[1]
+    assert attention.count == 40 and attention.gram.shape == (64, 64) and attention.cross.shape == (64, 2)
+    torch.testing.assert_close(attention.cross.sum(dim=1), torch.zeros(64, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_context_loads_once_runs_one_pass_and_releases(tiny_model, monkeypatch):
+    input_ids = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(3))
+    loads, passes = [], []
+    collect = calibration.collect_calibration
+    monkeypatch.setattr(calibration, "collect_calibration", lambda *a, **k: passes.append(k) or collect(*a, **k))
+    context = CalibrationContext(
+        MoERecipe(calibration_samples=16),
+        lambda dtype: loads.append(dtype) or tiny_model,
+        input_ids=input_ids,
+        progress=False,
+    )
+    context.collect()
+    assert loads == [] and passes == []  # nothing asked: the model is not even loaded
+    context.request_mlp([0, 1])
+    context.request_attention([1], num_experts=4)
+    context.request_sequence_embeddings()
+    context.collect()
+    assert len(loads) == 1 and len(passes) == 1
+    assert context.mlp(0).hidden_states.shape == (16, 64) and context.attention(1).cross.shape == (64, 4)
+    assert context.sequence_embeddings().shape == (4, 64) and len(passes) == 1  # results, no new pass
+    first = context.importance("all", [1], num_groups=1)
+    assert context.importance("all", [1], num_groups=1) is first and len(passes) == 2  # cached
+    assert torch.equal(context.kmeans_centroids(0, 2), context.kmeans_centroids(0, 2)) and len(loads) == 1
+    context.release()
+    assert context.mlp(1).mean_activation.shape == (96,)  # recorded statistics stay
+    with pytest.raises(RuntimeError, match="released"):  # a new pass would need the model again
+        context.importance("other", [0], num_groups=1)

@@ -5,39 +5,59 @@ import subprocess
 import sys
 
 import pytest
-from test_convert import save_tiny_dense
-from test_hub import FakeHfApi
+import yaml
+from helpers import FakeHfApi
 
-from llama_moe_hf.cli import main
+from llama_moe_hf.commands import main
 from llama_moe_hf.conversion import hub
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cli") / "dense"
-    save_tiny_dense(path)
-    return path
+def dense(tiny_dense):
+    return tiny_dense[0]
 
 
 def test_convert_info_and_dry_run_push(tmp_path, dense, capsys):
     out = tmp_path / "moe"
-    argv = ["convert", "--model", str(dense), "--output", str(out), "--method", "sequential", "--num-experts", "4",
-            "--top-k", "2", "--num-shared-experts", "0", "--score-scale-factor", "1.5", "--moe-layers", "1",
-            "--seed", "7", "--dtype", "bfloat16", "--router-init", "zero", "--no-progress"]  # fmt: skip
+    argv = [
+        "convert",
+        "--model",
+        str(dense),
+        "--output",
+        str(out),
+        "--method",
+        "sequential",
+        "--num-experts",
+        "4",
+        "--top-k",
+        "2",
+        "--num-shared-experts",
+        "0",
+        "--score-scale-factor",
+        "1.5",
+        "--moe-layers",
+        "1",
+        "--seed",
+        "7",
+        "--dtype",
+        "bfloat16",
+        "--router-init",
+        "zero",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["moe_layers"] == [1] and config["score_scale_factor"] == 1.5 and config["dtype"] == "bfloat16"
-    assert (
-        config["conversion_info"] | {"method": "sequential", "seed": 7, "router_init": "zero"}
-        == config["conversion_info"]
-    )
+    recipe = config["conversion_info"]["recipe"]
+    assert recipe | {"method": "sequential", "seed": 7, "router_init": "zero", "moe_layers": ["1"]} == recipe
     total_line = next(line for line in printed.splitlines() if line.startswith("total parameters"))
     active_line = next(line for line in printed.splitlines() if line.startswith("active parameters per token"))
 
     assert main(["info", str(out)]) == 0
     info = capsys.readouterr().out
     assert total_line in info and active_line in info and "top-2" in info
+    assert "method: sequential (Sequential: expert e takes the e-th contiguous block" in info  # from the registry
 
     assert main(["push", str(out), "--repo-id", "me/tiny-moe", "--dry-run"]) == 0
     dry = capsys.readouterr().out
@@ -47,8 +67,22 @@ def test_convert_info_and_dry_run_push(tmp_path, dense, capsys):
 def test_convert_push_to_hub_uses_the_hub_client(tmp_path, dense, capsys, monkeypatch):
     api = FakeHfApi()
     monkeypatch.setattr(hub, "HfApi", lambda token=None: api)
-    argv = ["convert", "--model", str(dense), "--output", str(tmp_path / "moe"), "--method", "upcycle",
-            "--num-experts", "2", "--push-to-hub", "--repo-id", "me/up", "--private", "--no-progress"]  # fmt: skip
+    argv = [
+        "convert",
+        "--model",
+        str(dense),
+        "--output",
+        str(tmp_path / "moe"),
+        "--method",
+        "upcycle",
+        "--num-experts",
+        "2",
+        "--push-to-hub",
+        "--repo-id",
+        "me/up",
+        "--private",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert [call[0] for call in api.calls] == ["create_repo", "upload_folder"]
     assert 'from_pretrained("me/up"' in api.uploaded_readme
@@ -71,10 +105,56 @@ def test_bad_input_exits_2_with_one_error_line(tmp_path, dense, capsys, args, me
     assert list(tmp_path.iterdir()) == []
 
 
+def test_recipe_file_with_flags_overriding_it(tmp_path, dense, tiny_calibration, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "method": "cluster",
+                "cluster_on": "up",
+                "num_experts": 4,
+                "top_k": 1,
+                "moe_layers": "last:1",
+                "calibration_data": str(tiny_calibration),
+                "model": str(dense),
+                "dtype": "bfloat16",
+            }
+        )
+    )
+    out = tmp_path / "moe"
+    assert main(["convert", "--config", str(recipe), "--top-k", "2", "--output", str(out), "--no-progress"]) == 0
+    saved = yaml.safe_load((out / "moe_recipe.yaml").read_text())
+    assert saved["top_k"] == 2 and saved["num_experts"] == 4 and saved["cluster_on"] == "up"  # the flag won
+    assert saved["moe_layers"] == ["last:1"] and saved["dtype"] == "bfloat16" and saved["model"] == str(dense)
+    assert json.loads((out / "config.json").read_text())["moe_layers"] == [1]
+    recipe.write_text("method: random\nnot_a_setting: 3\n")
+    assert main(["convert", "--config", str(recipe), "--output", str(tmp_path / "x")]) == 2
+    assert "not_a_setting" in capsys.readouterr().err
+
+
+def test_help_lists_the_registered_components(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for expected in (
+        "construction methods:",
+        "sharing-inter",
+        "router initialisations:",
+        "selector",
+        "--cluster-on",
+        "options of router initialisation 'selector'",
+        "model families:",
+        "attn_moe",
+        "--attn-experts",
+    ):
+        assert expected in text, expected
+
+
 def test_module_entry_point_in_a_subprocess(tmp_path, dense):
     existing = tmp_path / "existing"
     existing.mkdir()
-    cmd = [sys.executable, "-m", "llama_moe_hf.cli", "convert", "--model", str(dense), "--output", str(existing)]
+    cmd = [sys.executable, "-m", "llama_moe_hf", "convert", "--model", str(dense), "--output", str(existing)]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("error: Output folder") and "Traceback" not in run.stderr
@@ -85,8 +165,23 @@ def test_module_entry_point_in_a_subprocess(tmp_path, dense):
 def test_chat_with_converted_smollm2(tmp_path, smollm2_path, capsys):
     # Upcycled experts compute exactly the dense FFN, so the answer is the dense model's answer.
     out = tmp_path / "smol-moe"
-    argv = ["convert", "--output", str(out), "--model", str(smollm2_path), "--method", "upcycle",
-            "--num-experts", "2", "--top-k", "1", "--moe-layers", "0", "1", "--no-progress"]  # fmt: skip
+    argv = [
+        "convert",
+        "--output",
+        str(out),
+        "--model",
+        str(smollm2_path),
+        "--method",
+        "upcycle",
+        "--num-experts",
+        "2",
+        "--top-k",
+        "1",
+        "--moe-layers",
+        "0",
+        "1",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     capsys.readouterr()
     assert main(["chat", str(out), "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0

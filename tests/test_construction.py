@@ -3,27 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from helpers import assert_same_logits, load_moe, logits, tiny_llama
 
-from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
-from llama_moe_hf.conversion.construction import (
-    assign_by_importance,
-    balanced_kmeans,
-    check_loaded_split,
-    construct_splits,
-    kmeans_router,
-    load_splits,
-    parse_moe_layers,
-    sample_rows,
-    save_splits,
-    split_cluster,
-    split_sharing_inner,
-    split_sharing_inter,
-)
-from llama_moe_hf.conversion.convert import dense_config_fields
-from llama_moe_hf.conversion.experts import ExpertSplit, build_expert_tensors
-from llama_moe_hf.modeling import LlamaMoEConfig
-from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
+from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
+from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.clustering import balanced_kmeans, kmeans_router, sample_rows, split_cluster
+from llama_moe_hf.conversion.experts import ExpertSplit
+from llama_moe_hf.conversion.importance import assign_by_importance, split_sharing_inner, split_sharing_inter
+from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
+from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
 
 
 def assert_partition(split: ExpertSplit, intermediate_size: int):
@@ -249,28 +238,18 @@ def tiny():
     return model, input_ids
 
 
-def moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, num_shared=0):
-    """Swap each dense MLP for its MoE block (top-k = N, zero router, scale N) and compare the logits."""
-    config = LlamaMoEConfig(
-        **dense_config_fields(model.config), num_experts=num_experts, num_experts_per_tok=num_experts,
-        score_scale_factor=float(num_experts),
-        num_shared_experts=num_shared, moe_intermediate_size=next(iter(splits.values())).expert_size,
-    )
-    with torch.no_grad():
-        reference = model(input_ids=input_ids).logits
-        originals = {}
-        for i, split in splits.items():
-            mlp = model.model.layers[i].mlp
-            tensors = build_expert_tensors(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, split)
-            tensors["gate.weight"] = torch.zeros(num_experts, config.hidden_size)
-            block = LlamaMoESparseMoeBlock(config, i)
-            block.load_state_dict(tensors)
-            originals[i], model.model.layers[i].mlp = mlp, block
-        try:
-            torch.testing.assert_close(model(input_ids=input_ids).logits, reference, atol=1e-5, rtol=1e-5)
-        finally:
-            for i, mlp in originals.items():
-                model.model.layers[i].mlp = mlp
+def calibrated_split(model, input_ids, **fields):
+    """The split and k-means centroids a recipe's method computes on `model` (the converter's plan and context)."""
+    plan = ConversionPlan.create(MoERecipe.from_dict(fields), model.config)
+    context = CalibrationContext(plan.recipe, lambda dtype: model, input_ids=input_ids, batch_size=3, progress=False)
+    plan.prepare(context)
+    method, _ = plan.components["mlp"]
+    mlps = {i: model.model.layers[i].mlp for i in plan.targets["mlp"].layers}
+    dense = {
+        i: {f"{name}.weight": getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")}
+        for i, mlp in mlps.items()
+    }
+    return {i: method.split(i, dense[i], context) for i in mlps}, context
 
 
 @pytest.mark.parametrize(
@@ -279,40 +258,39 @@ def moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, 
 )
 def test_partition_methods_are_deterministic_partitions_equal_to_dense(tiny, method, num_experts, num_shared):
     model, input_ids = tiny
-    kwargs = dict(num_experts=num_experts, num_shared_experts=num_shared, input_ids=input_ids, batch_size=3)
-    splits, routers = construct_splits(model, method, [0, 1], **kwargs)
-    again, routers_again = construct_splits(model, method, [0, 1], **kwargs)
+    fields = dict(method=method, num_experts=num_experts, num_shared_experts=num_shared)
+    splits, context = calibrated_split(model, input_ids, **fields)
+    again, _ = calibrated_split(model, input_ids, **fields)
     size = 96 // (num_experts + num_shared)
     for i in (0, 1):
         assert_partition(splits[i], 96)
         assert splits[i].expert_neurons.shape == (num_experts, size)
         assert (splits[i].shared_neurons is None) == (num_shared == 0)
         assert torch.equal(splits[i].expert_neurons, again[i].expert_neurons)
-    if method == "residual":
-        assert routers[1].shape == (num_experts, 64) and torch.equal(routers[1], routers_again[1])
-    else:
-        assert routers == {}
-    moe_equals_dense_with_all_experts_on(model, input_ids, splits, num_experts, num_shared)
+    assert context.has_kmeans_centroids([0, 1], num_experts) == (method == "residual")
+    everything = dict(top_k=num_experts, router_init="zero", score_scale_factor=float(num_experts))
+    assert_same_logits(build_moe(model, calibration_ids=input_ids, **fields, **everything), model, input_ids, 1e-5)
 
 
 def test_sharing_inner_and_kmeans_routers(tiny):
     model, input_ids = tiny
-    splits, routers = construct_splits(
-        model, "sharing-inner", [1], num_experts=4, expert_size=30, input_ids=input_ids, kmeans_routers=True
+    moe = build_moe(
+        model, method="sharing-inner", num_experts=4, moe_layers=["1"], router_init="kmeans", calibration_ids=input_ids
     )
-    assert splits[1].expert_neurons.shape == (4, 30)
-    assert all(row.unique().numel() == 30 for row in splits[1].expert_neurons)
-    assert routers[1].shape == (4, 64)
+    splits, context = calibrated_split(model, input_ids, method="sharing-inner", num_experts=4, moe_layers=["1"])
+    assert splits[1].expert_neurons.shape == (4, 24)
+    assert all(row.unique().numel() == 24 for row in splits[1].expert_neurons)
+    assert torch.equal(moe.model.layers[1].mlp.gate.weight, context.kmeans_centroids(1, 4))
 
 
-def test_construct_splits_errors(tiny):
+def test_calibrated_methods_refuse_what_they_cannot_build(tiny):
     model, input_ids = tiny
-    with pytest.raises(ValueError, match="needs calibration data"):
-        construct_splits(model, "residual", [0], num_experts=4)
-    with pytest.raises(ValueError, match="makes no shared experts"):
-        construct_splits(model, "cluster", [0], num_experts=3, num_shared_experts=1)
+    with pytest.raises(ValueError, match="not supported with method 'cluster'"):
+        build_moe(model, method="cluster", num_experts=3, num_shared_experts=1, calibration_ids=input_ids)
     with pytest.raises(ValueError, match="at least 8 sequences"):
-        construct_splits(model, "sharing-inner", [0], num_experts=8, input_ids=input_ids[:4])
+        build_moe(model, method="sharing-inner", num_experts=8, calibration_ids=input_ids[:4])
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        build_moe(model, method="residual", num_experts=4)
 
 
 @pytest.mark.slow
@@ -321,13 +299,19 @@ def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
     model, tokenizer = smollm2
     texts, _ = load_calibration_texts(None)
     input_ids = tokenize_calibration(texts, tokenizer, num_tokens=256, seq_len=64)
-    splits, routers = construct_splits(
-        model, "residual", [28, 29], num_experts=7, num_shared_experts=1, input_ids=input_ids, max_hidden_samples=256
+    splits, context = calibrated_split(
+        model,
+        input_ids,
+        method="residual",
+        num_experts=7,
+        num_shared_experts=1,
+        moe_layers=["28,29"],
+        calibration_samples=256,
     )
     for i in (28, 29):
         assert_partition(splits[i], 1536)
         assert splits[i].expert_neurons.shape == (7, 192) and splits[i].shared_neurons.shape == (192,)
-        assert routers[i].shape == (7, 576)
+        assert context.kmeans_centroids(i, 7).shape == (7, 576)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -335,49 +319,24 @@ def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random LLaMA saved with a character-level tokenizer (vocab < 128), and a calibration text file."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("calibrated")
-    model = tiny_llama()
-    model.save_pretrained(root / "dense")
-    vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
-    tokenizer.save_pretrained(root / "dense")
-    texts, _ = load_calibration_texts(None)
-    (root / "calibration.txt").write_text("\n\n".join(texts[:20]))
-    input_ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        reference = model(input_ids).logits
-    return root, input_ids, reference
-
-
-def converted_logits(folder, input_ids):
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(input_ids).logits
-
-
-def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_folder, tmp_path, caplog):
+def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_dense, tiny_calibration, tmp_path, caplog):
     from safetensors.torch import load_file
 
-    from llama_moe_hf.conversion import convert_to_moe
-
-    root, input_ids, reference = tiny_folder
+    dense_path, input_ids, reference = tiny_dense
     common = dict(
-        method="residual", num_experts=3, num_shared_experts=1, calibration_data=str(root / "calibration.txt"),
-        calibration_tokens=512, calibration_seq_len=32, moe_layers="last:1", progress=False,
-    )  # fmt: skip
+        method="residual",
+        num_experts=3,
+        num_shared_experts=1,
+        calibration_data=str(tiny_calibration),
+        calibration_tokens=512,
+        calibration_seq_len=32,
+        moe_layers="last:1",
+        progress=False,
+    )
     with caplog.at_level("INFO", logger="llama_moe_hf"):
         split_file = str(tmp_path / "split.safetensors")
-        first = convert_to_moe(root / "dense", tmp_path / "a", top_k=1, save_split=split_file, **common)
-    logged = f"Calibration data: local file {root / 'calibration.txt'} (1 docs) -> 16 sequences of 32 tokens."
+        first = convert_to_moe(dense_path, tmp_path / "a", top_k=1, save_split=split_file, **common)
+    logged = f"Calibration data: local file {tiny_calibration} (1 docs) -> 16 sequences of 32 tokens."
     assert logged in caplog.text
     splits, routers, metadata = load_splits(tmp_path / "split.safetensors")
     assert list(splits) == [1] and metadata["method"] == "residual"
@@ -388,72 +347,111 @@ def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_folder
 
     # The same split, read back, with every expert on, a zero router and scale N: exactly the dense model.
     second = convert_to_moe(
-        root / "dense", tmp_path / "b", top_k=3, router_init="zero", score_scale_factor=3.0,
-        load_split=str(tmp_path / "split.safetensors"), **{**common, "calibration_data": "not-used"},
-    )  # fmt: skip
+        dense_path,
+        tmp_path / "b",
+        top_k=3,
+        router_init="zero",
+        score_scale_factor=3.0,
+        load_split=str(tmp_path / "split.safetensors"),
+        **{**common, "calibration_data": "not-used"},
+    )
     reread = load_file(second.output_dir / "model.safetensors")
     assert torch.equal(reread["model.layers.1.mlp.experts.down_proj"], weights["model.layers.1.mlp.experts.down_proj"])
-    torch.testing.assert_close(converted_logits(second.output_dir, input_ids), reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits(load_moe(second.output_dir), input_ids), reference, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("method, cluster_on", [("cluster", "both"), ("cluster", "activations"), ("sharing-inter", "both")])
-def test_converter_kmeans_router_and_dense_identity(tiny_folder, tmp_path, method, cluster_on):
+@pytest.mark.parametrize(
+    "method, cluster_on", [("cluster", "both"), ("cluster", "activations"), ("sharing-inter", None)]
+)
+def test_converter_kmeans_router_and_dense_identity(tiny_dense, tiny_calibration, tmp_path, method, cluster_on):
     from safetensors.torch import load_file
 
-    from llama_moe_hf.conversion import convert_to_moe
-
-    root, input_ids, reference = tiny_folder
-    result = convert_to_moe(
-        root / "dense", tmp_path / "moe", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
-        router_init="kmeans", cluster_on=cluster_on, calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
-        calibration_seq_len=32, progress=False,
-    )  # fmt: skip
+    dense_path, input_ids, reference = tiny_dense
+    fields = dict(
+        method=method,
+        num_experts=4,
+        top_k=4,
+        score_scale_factor=4.0,
+        calibration_data=str(tiny_calibration),
+        calibration_tokens=256,
+        calibration_seq_len=32,
+        progress=False,
+    )
+    fields.update({"cluster_on": cluster_on} if cluster_on else {})
+    result = convert_to_moe(dense_path, tmp_path / "moe", router_init="kmeans", **fields)
     weights = load_file(result.output_dir / "model.safetensors")
     assert weights["model.layers.0.mlp.gate.weight"].abs().sum() > 0
     # With a k-means router the top-4 weights are not uniform, so compare with the zero router for the identity.
-    zero = convert_to_moe(
-        root / "dense", tmp_path / "zero", method=method, num_experts=4, top_k=4, score_scale_factor=4.0,
-        router_init="zero", cluster_on=cluster_on, calibration_data=str(root / "calibration.txt"), calibration_tokens=256,
-        calibration_seq_len=32, progress=False,
-    )  # fmt: skip
-    torch.testing.assert_close(converted_logits(zero.output_dir, input_ids), reference, atol=1e-4, rtol=0)
+    zero = convert_to_moe(dense_path, tmp_path / "zero", router_init="zero", **fields)
+    torch.testing.assert_close(logits(load_moe(zero.output_dir), input_ids), reference, atol=1e-4, rtol=0)
 
 
-def test_converter_loads_the_dense_model_once(tiny_folder, tmp_path, monkeypatch):
-    """The split pass, compensation and selector share one dense model, freed before the streaming write."""
-    from llama_moe_hf.conversion import convert_to_moe
-    from llama_moe_hf.conversion.source import FolderSource
+def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_calibration, tmp_path, monkeypatch):
+    """MLP experts clustered on activations with a selector and compensation, plus attention routers fitted on
+    calibration text: the dense model is loaded once and run once, then freed before the streaming write."""
+    from llama_moe_hf.conversion import calibration
+    from llama_moe_hf.conversion.sources.folder import FolderSource
 
-    loads = []
-    load_model = FolderSource.load_model
+    loads, passes = [], []
+    load_model, collect = FolderSource.load_model, calibration.collect_calibration
     monkeypatch.setattr(FolderSource, "load_model", lambda self, dtype=None: loads.append(1) or load_model(self, dtype))
-    root, _, _ = tiny_folder
-    convert_to_moe(
-        root / "dense", tmp_path / "moe", method="cluster", cluster_on="gate", num_experts=4, top_k=2,
-        compensation=True, router_init="selector", selector_steps=2, calibration_data=str(root / "calibration.txt"),
-        calibration_tokens=256, calibration_seq_len=32, progress=False,
-    )  # fmt: skip
-    assert len(loads) == 1
+    monkeypatch.setattr(calibration, "collect_calibration", lambda *a, **k: passes.append(k) or collect(*a, **k))
+    dense_path, _, _ = tiny_dense
+    result = convert_to_moe(
+        dense_path,
+        tmp_path / "moe",
+        mlp_moe=True,
+        method="cluster",
+        cluster_on="activations",
+        num_experts=4,
+        router_init="selector",
+        compensation=True,
+        selector_steps=2,
+        attn_experts=2,
+        attn_top_k=1,
+        attn_router_init="fit",
+        calibration_data=str(tiny_calibration),
+        calibration_tokens=256,
+        calibration_seq_len=32,
+        progress=False,
+    )
+    assert len(loads) == 1 and len(passes) == 1
+    assert passes[0]["attention_experts"] == {0: 2, 1: 2} and not passes[0].get("with_gradients")
+    model = load_moe(result.output_dir)
+    assert model.config.router_type == "selector" and model.config.moe_compensation
+    assert model.model.layers[1].self_attn.gate.weight.abs().sum() > 0
 
 
-def test_converter_rejects_bad_calibrated_settings(tiny_folder, tmp_path):
-    from llama_moe_hf.conversion import convert_to_moe
-
-    root, _, _ = tiny_folder
-    with pytest.raises(ValueError, match="--save-split / --load-split work with"):
-        convert_to_moe(root / "dense", tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
-    with pytest.raises(ValueError, match="--selector-objective must be one of"):
-        convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", selector_objective="mse")
-    with pytest.raises(ValueError, match="--cluster-on must be one of"):  # before the (missing) source is opened
+def test_converter_rejects_bad_calibrated_settings(tiny_dense, tiny_calibration, tmp_path):
+    dense_path, _, _ = tiny_dense
+    with pytest.raises(ValueError, match="--save-split / --load-split work with the methods cluster"):
+        convert_to_moe(dense_path, tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
+    # Before the (missing) source is opened:
+    with pytest.raises(ValueError, match="--selector-objective must be one of listwise, bce, got 'mse'"):
+        convert_to_moe(
+            tmp_path / "no-such-model",
+            tmp_path / "b",
+            method="cluster",
+            router_init="selector",
+            selector_objective="mse",
+        )
+    with pytest.raises(ValueError, match="--selector-objective applies to router initialisation 'selector'"):
+        convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", selector_objective="bce")
+    with pytest.raises(ValueError, match="--cluster-on must be one of gate, up, both, activations"):
         convert_to_moe(tmp_path / "no-such-model", tmp_path / "b", method="cluster", num_experts=4, cluster_on="down")
     with pytest.raises(ValueError, match="fewer than one sequence of 100000"):
         convert_to_moe(
-            root / "dense", tmp_path / "c", method="residual", num_experts=4, calibration_seq_len=100_000,
+            dense_path,
+            tmp_path / "c",
+            method="residual",
+            num_experts=4,
+            calibration_seq_len=100_000,
             calibration_tokens=100_000,
-            calibration_data=str(root / "calibration.txt"), progress=False,
-        )  # fmt: skip
+            calibration_data=str(tiny_calibration),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="names layers \\[7\\]"):
-        convert_to_moe(root / "dense", tmp_path / "d", method="cluster", num_experts=4, moe_layers="0,7")
-    with pytest.raises(ValueError, match="--calibration-samples must be >= 1"):
-        convert_to_moe(root / "dense", tmp_path / "e", method="cluster", num_experts=4, calibration_samples=0)
+        convert_to_moe(dense_path, tmp_path / "d", method="cluster", num_experts=4, moe_layers="0,7")
+    with pytest.raises(ValueError, match="--calibration-samples must be at least 1"):
+        convert_to_moe(dense_path, tmp_path / "e", method="cluster", num_experts=4, calibration_samples=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written

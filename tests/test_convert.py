@@ -1,7 +1,6 @@
 """The streaming converter, end to end on real files: exact identities against the dense model, remote code,
 GGUF and Hub sources, and bad input that must fail cleanly without leaving anything behind."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,40 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama, tiny_llama_config
+from helpers import folder_hashes, load_moe, logits, save_tiny_dense, tiny_llama_config
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from llama_moe_hf import LlamaMoEForCausalLM
-from llama_moe_hf.conversion import METHODS, SplitMethod, convert_to_moe
-from llama_moe_hf.conversion.checkpoint import read_shapes
-from llama_moe_hf.conversion.source import load_gguf_model
-
-
-def save_tiny_dense(path: Path, seed: int = 0, **save_kwargs) -> LlamaForCausalLM:
-    """A tiny random GQA LLaMA saved as safetensors; returns the model (fp32, eval)."""
-    model = tiny_llama(seed)
-    model.save_pretrained(path, **save_kwargs)
-    return model
-
-
-def folder_hashes(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir())}
-
-
-def logits(model, input_ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids).logits
-
-
-@pytest.fixture(scope="module")
-def tiny_dense(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dense") / "tiny"
-    model = save_tiny_dense(path)
-    input_ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    return path, input_ids, logits(model, input_ids)
+from llama_moe_hf import METHODS, convert_to_moe
+from llama_moe_hf.conversion.methods.base import SplitMethod
+from llama_moe_hf.conversion.sources import load_gguf_model
+from llama_moe_hf.conversion.writer import read_shapes
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +30,6 @@ def tiny_dense_sharded(tmp_path_factory):
     save_tiny_dense(path, max_shard_size="20KB")
     assert (path / "model.safetensors.index.json").is_file()
     return path
-
-
-def load_moe(path) -> LlamaMoEForCausalLM:
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-    assert isinstance(model, LlamaMoEForCausalLM)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
 
 
 @pytest.mark.parametrize("method", ["random", "sequential"])
@@ -73,9 +41,17 @@ def test_split_all_experts_reproduces_dense(
     dense_path, input_ids, dense_logits = tiny_dense
     source = tiny_dense_sharded if sharded_source else dense_path
     result = convert_to_moe(
-        source, tmp_path / "moe", method=method, num_experts=4, top_k=4, num_shared_experts=num_shared,
-        router_init="zero", score_scale_factor=4.0, max_shard_size="40KB", progress=False,
-    )  # fmt: skip
+        source,
+        tmp_path / "moe",
+        method=method,
+        num_experts=4,
+        top_k=4,
+        num_shared_experts=num_shared,
+        router_init="zero",
+        score_scale_factor=4.0,
+        max_shard_size="40KB",
+        progress=False,
+    )
     # 96 neurons into 4 routed + num_shared shared experts of equal size
     config = json.loads((result.output_dir / "config.json").read_text())
     assert config["moe_intermediate_size"] == 96 // (4 + num_shared)
@@ -101,8 +77,13 @@ def test_default_split_settings_and_seeds(tmp_path, tiny_dense):
     c = convert_to_moe(dense_path, tmp_path / "c", num_experts=4, top_k=2, seed=6, progress=False)
     config = json.loads((a.output_dir / "config.json").read_text())
     assert config["score_scale_factor"] == 2.0  # N/k
-    assert config["conversion_info"]["method"] == "random" and config["conversion_info"]["seed"] == 5
+    recipe = config["conversion_info"]["recipe"]
+    assert recipe["method"] == "random" and recipe["seed"] == 5 and recipe["score_scale_factor"] == 2.0
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_llama_moe.LlamaMoEForCausalLM"
+    assert (
+        config["auto_map"]["AutoModelForSequenceClassification"]
+        == "modeling_llama_moe.LlamaMoEForSequenceClassification"
+    )
     assert config["architectures"] == ["LlamaMoEForCausalLM"]
     assert folder_hashes(a.output_dir)["model.safetensors"] == folder_hashes(b.output_dir)["model.safetensors"]
     with (
@@ -146,9 +127,16 @@ def test_smollm2_split_with_shared_experts_reproduces_dense(tmp_path, smollm2_pa
     input_ids, dense_logits = smollm2_inputs
     before = folder_hashes(smollm2_path)
     result = convert_to_moe(
-        smollm2_path, tmp_path / "moe", method="random", num_experts=6, top_k=6, num_shared_experts=2,
-        router_init="zero", score_scale_factor=6.0, progress=False,
-    )  # fmt: skip
+        smollm2_path,
+        tmp_path / "moe",
+        method="random",
+        num_experts=6,
+        top_k=6,
+        num_shared_experts=2,
+        router_init="zero",
+        score_scale_factor=6.0,
+        progress=False,
+    )
     assert folder_hashes(smollm2_path) == before
     names = set(read_shapes(result.output_dir))
     assert "lm_head.weight" not in names  # tied embeddings are written once, like transformers
@@ -161,9 +149,15 @@ def test_smollm2_split_with_shared_experts_reproduces_dense(tmp_path, smollm2_pa
 def test_smollm2_sequential_and_upcycle_reproduce_dense(tmp_path, smollm2_path, smollm2_inputs):
     input_ids, dense_logits = smollm2_inputs
     sequential = convert_to_moe(
-        smollm2_path, tmp_path / "seq", method="sequential", num_experts=4, top_k=4, router_init="zero",
-        score_scale_factor=4.0, progress=False,
-    )  # fmt: skip
+        smollm2_path,
+        tmp_path / "seq",
+        method="sequential",
+        num_experts=4,
+        top_k=4,
+        router_init="zero",
+        score_scale_factor=4.0,
+        progress=False,
+    )
     torch.testing.assert_close(logits(load_moe(sequential.output_dir), input_ids), dense_logits, atol=1e-4, rtol=0)
     # Upcycling: identity for any router; MoE in every fifth layer, dense MLPs in between.
     upcycled = convert_to_moe(
@@ -187,9 +181,12 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, Block())
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForSequenceClassification
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
     assert "llama_moe_hf" not in sys.modules
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    classifier = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], trust_remote_code=True)
+    assert type(classifier).__name__ == "LlamaMoEForSequenceClassification", type(classifier)
     input_ids = torch.load(sys.argv[2])
     with torch.no_grad():
         torch.save(model(input_ids).logits, sys.argv[3])
@@ -246,10 +243,16 @@ def write_tiny_gguf(path: Path) -> None:
     kv = kv_heads * hidden // heads
     for i in range(layers):
         shapes = {
-            "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (hidden, hidden), "attn_k": (kv, hidden),
-            "attn_v": (kv, hidden), "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden),
-            "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
-        }  # fmt: skip
+            "attn_norm": (hidden,),
+            "ffn_norm": (hidden,),
+            "attn_q": (hidden, hidden),
+            "attn_k": (kv, hidden),
+            "attn_v": (kv, hidden),
+            "attn_output": (hidden, hidden),
+            "ffn_gate": (inter, hidden),
+            "ffn_up": (inter, hidden),
+            "ffn_down": (hidden, inter),
+        }
         for name, shape in shapes.items():
             writer.add_tensor(f"blk.{i}.{name}.weight", tensor(*shape))
     writer.write_header_to_file()
@@ -268,9 +271,16 @@ def test_gguf_source(tmp_path):
     )
     assert (result.output_dir / "tokenizer.json").is_file() and (result.output_dir / "chat_template.jinja").is_file()
     assert "GGUF" in json.loads((result.output_dir / "config.json").read_text())["conversion_info"]["source"]
+    assert read_recipe_model(result.output_dir) == str(gguf_path.resolve())
     torch.testing.assert_close(
         logits(load_moe(result.output_dir), input_ids), logits(dense, input_ids), atol=1e-4, rtol=0
     )
+
+
+def read_recipe_model(folder: Path):
+    import yaml
+
+    return yaml.safe_load((folder / "moe_recipe.yaml").read_text())["model"]
 
 
 def test_hub_source_through_download_seam(tmp_path, tiny_dense):
@@ -289,6 +299,7 @@ def test_hub_source_through_download_seam(tmp_path, tiny_dense):
     assert not any(p.endswith(".bin") for p in kwargs["allow_patterns"])  # no pickles unless allowed
     card = ModelCard.load(result.output_dir / "README.md")
     assert card.data.base_model == "org/tiny-llama"
+    assert read_recipe_model(result.output_dir) == "org/tiny-llama"  # the recipe names the Hub id, not the cache
     torch.testing.assert_close(logits(load_moe(result.output_dir), input_ids), dense_logits, atol=1e-4, rtol=0)
 
     def offline(repo_id, **kwargs):
@@ -302,9 +313,16 @@ def test_hub_source_through_download_seam(tmp_path, tiny_dense):
 def test_model_card(tmp_path, tiny_dense):
     dense_path, _, _ = tiny_dense
     result = convert_to_moe(
-        dense_path, tmp_path / "moe", num_experts=4, top_k=1, num_shared_experts=2, base_model="org/base",
-        license="apache-2.0", repo_id="me/tiny-moe", progress=False,
-    )  # fmt: skip
+        dense_path,
+        tmp_path / "moe",
+        num_experts=4,
+        top_k=1,
+        num_shared_experts=2,
+        base_model="org/base",
+        license="apache-2.0",
+        repo_id="me/tiny-moe",
+        progress=False,
+    )
     card = ModelCard.load(result.output_dir / "README.md")
     assert card.data.base_model == "org/base" and card.data.license == "apache-2.0"
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
@@ -316,6 +334,7 @@ def test_model_card(tmp_path, tiny_dense):
     assert "| Shared (always-on) experts | 2 |" in text
     assert 'from_pretrained("me/tiny-moe", trust_remote_code=True)' in text
     assert "import llama_moe_hf" in text
+    assert "moe_recipe.yaml" in text and "method: random\n" in text  # the recipe it was built from
 
 
 # ---------------------------------------------------------------- bad input: one clear error, nothing written
@@ -345,9 +364,10 @@ def _save_config_only(path: Path, config) -> Path:
         ({"num_experts": 4, "top_k": 5}, ValueError, "--top-k must be between 1 and --num-experts=4"),
         ({"num_experts": 5, "top_k": 2}, ValueError, "96 is not divisible by 5"),
         ({"num_experts": 4, "num_shared_experts": 1}, ValueError, "96 is not divisible by 5"),
-        ({"method": "upcycle", "num_shared_experts": 1}, ValueError, "not supported with --method upcycle"),
-        ({"method": "nope"}, ValueError, "Unknown method 'nope'"),
-        ({"moe_layers": [0, 7]}, ValueError, r"--moe-layers \[7\] are outside 0..1"),
+        ({"method": "upcycle", "num_shared_experts": 1}, ValueError, "not supported with method 'upcycle'"),
+        ({"method": "nope"}, ValueError, "Unknown construction method 'nope'"),
+        ({"moe_layers": [0, 7]}, ValueError, r"names layers \[7\], but the model has layers 0..1"),
+        ({"method": "upcycle", "compensation": True}, ValueError, "--compensation needs a method that splits"),
         ({"dtype": "int8"}, ValueError, "Unknown dtype 'int8'"),
     ],
 )
@@ -446,23 +466,25 @@ def test_existing_output_needs_overwrite(workspace, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp/old folders
 
 
-class FailingSplit(SplitMethod):
+@pytest.fixture(params=[RuntimeError, KeyboardInterrupt])
+def failing_method(request):
     """A method that breaks half-way, like a crash or Ctrl-C in the middle of a long conversion."""
+    error = request.param
 
-    error: type[BaseException] = RuntimeError
+    @METHODS.register("failing")
+    class Failing(SplitMethod):
+        description = "fails in layer 1"
 
-    def expert_size(self):
-        return 24
+        def split(self, layer_idx, dense, context):
+            if layer_idx == 1:
+                raise error("boom in layer 1")
+            return METHODS["sequential"].split(self, layer_idx, dense, context)
 
-    def split(self, layer_idx, gate_proj, up_proj, down_proj):
-        if layer_idx == 1:
-            raise self.error("boom in layer 1")
-        return METHODS["sequential"].split(self, layer_idx, gate_proj, up_proj, down_proj)
+    yield error
+    METHODS.unregister("failing")
 
 
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_interrupted_conversion_leaves_nothing(workspace, monkeypatch, error):
+def test_interrupted_conversion_leaves_nothing(workspace, failing_method):
     dense_path, out_root = workspace
-    monkeypatch.setitem(METHODS, "failing", type("Failing", (FailingSplit,), {"error": error}))
-    with pytest.raises(error, match="boom in layer 1"):
+    with pytest.raises(failing_method, match="boom in layer 1"):
         convert_to_moe(dense_path, out_root / "nested" / "moe", method="failing", num_experts=4, progress=False)

@@ -3,14 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama_config
-from test_construction import tiny_folder  # noqa: F401  (fixture: tiny dense folder + calibration text)
+from helpers import tiny_llama_config
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
 from llama_moe_hf.conversion import gmoefication as g
-from llama_moe_hf.conversion.calibration import collect_calibration, tokenize_calibration
+from llama_moe_hf.conversion.calibration import tokenize_calibration
 from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
+from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
 
 NUM_EXPERTS = 4
@@ -216,8 +216,8 @@ def test_compensation_lowers_the_error_of_a_real_smollm2_layer(smollm2, real_tex
     model, tokenizer = smollm2
     layer = 3
     ids = tokenize_calibration(real_text[:40], tokenizer, num_tokens=512, seq_len=64)
-    calibration = collect_calibration(model, ids[:6], [layer], max_hidden_samples=128)[layer]
-    held_out = collect_calibration(model, ids[6:8], [layer], max_hidden_samples=128)[layer].hidden_states
+    calibration = collect_calibration(model, ids[:6], [layer], max_hidden_samples=128).mlp[layer]
+    held_out = collect_calibration(model, ids[6:8], [layer], max_hidden_samples=128).mlp[layer].hidden_states
 
     mlp = model.model.layers[layer].mlp
     split = split_random(mlp.gate_proj.out_features, 8, seed=0)
@@ -250,20 +250,37 @@ def test_compensation_lowers_the_error_of_a_real_smollm2_layer(smollm2, real_tex
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_cli_compensation_and_selector_keep_the_dense_identity_with_every_expert_on(tiny_folder, tmp_path):  # noqa: F811
+def test_cli_compensation_and_selector_keep_the_dense_identity_with_every_expert_on(
+    tiny_dense, tiny_calibration, tmp_path
+):
     """`--compensation --router-init selector`: selector router with unit weights, score scale 1, so with top-k = N
     the converted model is exactly the dense model (the compensation adds exactly zero)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_moe_hf.cli import main
+    from llama_moe_hf.commands import main
 
-    root, input_ids, reference = tiny_folder
+    dense_path, input_ids, reference = tiny_dense
     common = [
-        "--model", str(root / "dense"), "--method", "random", "--num-experts", "4", "--compensation",
-        "--router-init", "selector", "--selector-steps", "20", "--calibration-data", str(root / "calibration.txt"),
-        "--calibration-tokens", "256", "--calibration-seq-len", "32", "--no-progress",
-    ]  # fmt: skip
+        "--model",
+        str(dense_path),
+        "--method",
+        "random",
+        "--num-experts",
+        "4",
+        "--compensation",
+        "--router-init",
+        "selector",
+        "--selector-steps",
+        "20",
+        "--calibration-data",
+        str(tiny_calibration),
+        "--calibration-tokens",
+        "256",
+        "--calibration-seq-len",
+        "32",
+        "--no-progress",
+    ]
     assert main(["convert", "--output", str(tmp_path / "all"), "--top-k", "4", *common]) == 0
     config = AutoConfig.from_pretrained(tmp_path / "all")
     assert (config.router_type, config.moe_compensation, config.score_scale_factor) == ("selector", True, 1.0)

@@ -1,34 +1,15 @@
 """Hub upload: the real folder goes through `create_repo` + `upload_folder` of a fake client (no Hub access here)."""
 
 import pytest
-from test_convert import save_tiny_dense
+from helpers import FakeHfApi
 
-from llama_moe_hf.conversion import convert_to_moe, push_folder
-
-
-class FakeHfApi:
-    """Records the calls `push_folder` makes, and what README.md the upload would carry."""
-
-    def __init__(self):
-        self.calls = []
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs))
-        return f"https://huggingface.co/{repo_id}"
-
-    def upload_folder(self, *, folder_path, repo_id, **kwargs):
-        from pathlib import Path
-
-        self.uploaded_readme = (Path(folder_path) / "README.md").read_text()
-        self.calls.append(("upload_folder", repo_id, {"folder_path": folder_path, **kwargs}))
-        return "https://huggingface.co/me/tiny-moe/commit/abc"
+from llama_moe_hf import convert_to_moe, push_folder
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hub")
-    save_tiny_dense(root / "dense")
-    return convert_to_moe(root / "dense", root / "moe", num_experts=4, top_k=2, repo_id="me/tiny-moe", progress=False)
+def converted(tmp_path_factory, tiny_dense):
+    out = tmp_path_factory.mktemp("hub") / "moe"
+    return convert_to_moe(tiny_dense[0], out, num_experts=4, top_k=2, repo_id="me/tiny-moe", progress=False)
 
 
 def test_push_with_fake_api_keeps_our_card(converted):
@@ -48,7 +29,7 @@ def test_dry_run_lists_files_and_card_without_contacting_anything(converted):
     plan = push_folder(converted.output_dir, "me/tiny-moe", dry_run=True, api=api)
     assert api.calls == []
     names = dict(plan.files)
-    assert {"config.json", "README.md", "model.safetensors", "modeling_llama_moe.py"} <= set(names)
+    assert {"config.json", "README.md", "model.safetensors", "modeling_llama_moe.py", "moe_recipe.yaml"} <= set(names)
     assert names["model.safetensors"] == (converted.output_dir / "model.safetensors").stat().st_size
     text = plan.describe()
     assert "me/tiny-moe (public)" in text and f"{names['model.safetensors']:,}" in text

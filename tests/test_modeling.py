@@ -1,75 +1,34 @@
-"""LlamaMoE modeling: config validation, exact dense identities, routers, generation, expert implementations,
-auxiliary losses and the checkpoint format.
+"""LlamaMoE modeling: config validation, exact dense identities, routers, expert implementations, generation with
+dynamic and static caches and torch.compile, classification heads, parallel plans, router losses, checkpoint format.
 
-Models are built in memory: tiny random GQA configs, and the real SmolLM2-135M-Instruct split into experts with
-`build_expert_tensors` (`moe_from_dense`, also used by test_training.py).
+MoE models are built in memory from tiny random GQA models and from the real SmolLM2-135M-Instruct with `build_moe`,
+the converter's own in-memory path.
 """
 
 import json
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_llama_config
+from helpers import assert_same_logits, tiny_llama, tiny_llama_config, tiny_moe, token_batch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.initialization import no_init_weights
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.conversion.convert import dense_config_fields
-from llama_moe_hf.conversion.experts import ExpertSplit, build_expert_tensors, split_random, split_upcycle
-from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoERouter, router_z_loss_func
-
-
-def moe_config_from_dense(dense_config, **moe_fields) -> LlamaMoEConfig:
-    return LlamaMoEConfig(**dense_config_fields(dense_config), **moe_fields)
-
-
-def moe_from_dense(dense_model, split: ExpertSplit, router_std: float = 0.0, **moe_fields) -> LlamaMoEForCausalLM:
-    """The dense model with the FFN of every layer in `moe_layers` cut into `split`; router ~ N(0, router_std)."""
-    config = moe_config_from_dense(
-        dense_model.config,
-        num_experts=split.num_experts,
-        moe_intermediate_size=split.expert_size,
-        num_shared_experts=0 if split.shared_neurons is None else split.shared_neurons.numel() // split.expert_size,
-        **moe_fields,
-    )
-    state_dict = dict(dense_model.state_dict())
-    for layer_idx in config.moe_layers:
-        prefix = f"model.layers.{layer_idx}.mlp."
-        dense = [state_dict.pop(prefix + f"{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")]
-        for name, tensor in build_expert_tensors(*dense, split).items():
-            state_dict[prefix + name] = tensor
-        state_dict[prefix + "gate.weight"] = torch.randn(split.num_experts, config.hidden_size) * router_std
-        if config.router_type == "noisy_top_k":
-            state_dict[prefix + "gate.noise_weight"] = torch.zeros(split.num_experts, config.hidden_size)
-    with no_init_weights():  # every weight comes from the state dict
-        model = LlamaMoEForCausalLM(config)
-    model.load_state_dict(state_dict, strict=True)
-    model.tie_weights()
-    return model.eval()
-
-
-def tiny_moe(**moe_fields) -> LlamaMoEForCausalLM:
-    """A tiny random LlamaMoE (GQA, 2 layers, 4 experts of 24, top-2 by default)."""
-    torch.manual_seed(0)
-    fields = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24} | moe_fields
-    return LlamaMoEForCausalLM(moe_config_from_dense(tiny_llama_config(), **fields)).eval()
-
-
-def token_batch(batch_size=2, length=12, vocab_size=128, seed=0):
-    return torch.randint(3, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(seed))
+from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
+from llama_moe_hf.conversion.choices import ROUTER_TYPES
+from llama_moe_hf.conversion.families.base import dense_config_fields
+from llama_moe_hf.modeling import configuration_llama_moe
+from llama_moe_hf.modeling.modeling_llama_moe import ROUTER_CLASSES, LlamaMoERouter, router_z_loss_func
 
 
 @pytest.fixture(scope="module")
 def smollm2_moe_top2(smollm2):
-    """SmolLM2 split into 8 random experts per layer, top-2 with a random router (a real sparse model)."""
+    """SmolLM2 split into 8 random experts in every third layer (dense MLPs in between), top-2, random router."""
     dense, _ = smollm2
-    torch.manual_seed(0)
-    # Every third layer is MoE: keeps generation fast while the dense layers in between are exercised too.
-    return moe_from_dense(
-        dense, split_random(1536, 8), router_std=0.05, num_experts_per_tok=2, moe_layers=list(range(0, 30, 3))
-    )
+    moe = build_moe(dense, method="random", num_experts=8, top_k=2, moe_layers=["every:3"])
+    for layer in moe.config.moe_layers:
+        moe.model.layers[layer].mlp.gate.weight.data.mul_(2.5)  # std 0.05: routing that varies between tokens
+    return moe
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -91,33 +50,37 @@ def smollm2_moe_top2(smollm2):
 )
 def test_config_rejects_bad_moe_settings(fields, message):
     with pytest.raises(ValueError, match=message):
-        moe_config_from_dense(tiny_llama_config(), **fields)
+        LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)
 
 
 def test_config_defaults_split_the_dense_ffn_evenly():
-    config = moe_config_from_dense(tiny_llama_config(), num_experts=4, num_shared_experts=1)
+    config = LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), num_experts=4, num_shared_experts=1)
     assert config.model_type == "llama_moe"
     assert config.moe_intermediate_size == 96 // 4
     assert config.shared_expert_intermediate_size == config.moe_intermediate_size
     assert config.moe_layers == [0, 1]
 
 
+def test_router_names_agree_between_the_config_the_model_and_the_command_line():
+    assert tuple(ROUTER_CLASSES) == configuration_llama_moe.ROUTER_TYPES == ROUTER_TYPES
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Exact identities with the dense model
-
-
-@torch.no_grad()
-def assert_same_logits(moe, dense, input_ids, atol=1e-4):
-    expected = dense(input_ids).logits
-    actual = moe(input_ids).logits
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 2])
 def test_all_experts_on_with_unit_weights_is_the_dense_model_tiny(num_shared_experts):
     dense = tiny_llama()
-    split = split_random(96, 4, num_shared_experts=num_shared_experts, seed=1)
-    moe = moe_from_dense(dense, split, num_experts_per_tok=4, score_scale_factor=4.0)
+    moe = build_moe(
+        dense,
+        num_experts=4,
+        top_k=4,
+        num_shared_experts=num_shared_experts,
+        router_init="zero",
+        score_scale_factor=4.0,
+        seed=1,
+    )
     assert_same_logits(moe, dense, token_batch())
 
 
@@ -125,8 +88,7 @@ def test_all_experts_on_with_unit_weights_is_the_dense_model_tiny(num_shared_exp
 def test_all_experts_on_with_unit_weights_is_the_dense_model_smollm2(smollm2, real_text):
     """8 routed + 4 shared experts of 128 neurons in all 30 layers (the tiny test covers no shared experts too)."""
     dense, tokenizer = smollm2
-    split = split_random(1536, 8, num_shared_experts=4, seed=0)
-    moe = moe_from_dense(dense, split, num_experts_per_tok=8, score_scale_factor=8.0)
+    moe = build_moe(dense, num_experts=8, top_k=8, num_shared_experts=4, router_init="zero", score_scale_factor=8.0)
     assert len(moe.config.moe_layers) == 30 and moe.config.num_key_value_heads == 3
     input_ids = tokenizer(real_text[0][:200], return_tensors="pt").input_ids
     assert_same_logits(moe, dense, input_ids)
@@ -135,21 +97,27 @@ def test_all_experts_on_with_unit_weights_is_the_dense_model_smollm2(smollm2, re
 def test_the_identity_test_can_fail():
     """Guards the test above: a single expert off breaks the identity."""
     dense = tiny_llama()
-    moe = moe_from_dense(dense, split_random(96, 4), num_experts_per_tok=3, score_scale_factor=4.0)
+    moe = build_moe(dense, num_experts=4, top_k=3, router_init="zero", score_scale_factor=4.0)
     with pytest.raises(AssertionError):
         assert_same_logits(moe, dense, token_batch())
 
 
-def test_upcycled_model_equals_dense_for_any_router():
+@pytest.mark.parametrize("router_type", ["top_k", "switch", "noisy_top_k"])
+def test_upcycled_model_equals_dense_for_any_router(router_type):
     dense = tiny_llama()
-    for router_type in ("top_k", "noisy_top_k"):
-        moe = moe_from_dense(dense, split_upcycle(96, 4), router_std=1.0, router_type=router_type)
-        assert_same_logits(moe, dense, token_batch())
+    moe = build_moe(dense, method="upcycle", num_experts=4, router_type=router_type)
+    for layer in moe.model.layers:
+        layer.mlp.gate.weight.data.normal_(std=1.0)
+    if router_type == "switch":  # unnormalised top-k weights: the dense output times the kept probability mass
+        with pytest.raises(AssertionError):
+            assert_same_logits(moe, dense, token_batch())
+        return
+    assert_same_logits(moe, dense, token_batch())
 
 
 def test_moe_layers_subset_keeps_dense_mlps_elsewhere():
     dense = tiny_llama(num_hidden_layers=3)
-    moe = moe_from_dense(dense, split_random(96, 4), num_experts_per_tok=4, score_scale_factor=4.0, moe_layers=[1])
+    moe = build_moe(dense, num_experts=4, top_k=4, router_init="zero", score_scale_factor=4.0, moe_layers=["1"])
     keys = moe.state_dict().keys()
     assert "model.layers.0.mlp.gate_proj.weight" in keys and "model.layers.2.mlp.down_proj.weight" in keys
     assert "model.layers.1.mlp.experts.gate_up_proj" in keys and "model.layers.1.mlp.gate_proj.weight" not in keys
@@ -158,35 +126,50 @@ def test_moe_layers_subset_keeps_dense_mlps_elsewhere():
 
 def test_per_layer_score_scale_factor():
     dense = tiny_llama()
-    split = split_random(96, 4)
-    moe = moe_from_dense(dense, split, num_experts_per_tok=4, score_scale_factor=[4.0, 4.0])
-    assert_same_logits(moe, dense, token_batch())
-    moe = moe_from_dense(dense, split, num_experts_per_tok=4, score_scale_factor=[4.0, 2.0])
-    assert [layer.mlp.score_scale_factor for layer in moe.model.layers] == [4.0, 2.0]
+    moe = build_moe(dense, num_experts=4, top_k=4, router_init="zero", score_scale_factor=4.0)
+    moe.config.score_scale_factor = [4.0, 2.0]
+    rebuilt = LlamaMoEForCausalLM(moe.config).eval()
+    rebuilt.load_state_dict(moe.state_dict())
+    assert [layer.mlp.score_scale_factor for layer in rebuilt.model.layers] == [4.0, 2.0]
     with pytest.raises(AssertionError):
-        assert_same_logits(moe, dense, token_batch())
+        assert_same_logits(rebuilt, dense, token_batch())
+    moe.config.score_scale_factor = [4.0, 4.0]
+    rebuilt = LlamaMoEForCausalLM(moe.config).eval()
+    rebuilt.load_state_dict(moe.state_dict())
+    assert_same_logits(rebuilt, dense, token_batch())
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Routers
+# Routers: one class per gate
 
 
-def router(router_type, top_k=2, num_experts=6):
-    config = moe_config_from_dense(tiny_llama_config(), num_experts=num_experts, num_experts_per_tok=top_k)
-    config.router_type = router_type
+def router(router_type, top_k=2, num_experts=6) -> LlamaMoERouter:
+    config = LlamaMoEConfig(
+        **dense_config_fields(tiny_llama_config()),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        router_type=router_type,
+    )
     torch.manual_seed(0)
-    module = LlamaMoERouter(config)
-    torch.nn.init.normal_(module.weight, std=0.5)
-    if router_type == "noisy_top_k":
-        torch.nn.init.normal_(module.noise_weight, std=0.5)
+    module = ROUTER_CLASSES[router_type](config)
+    for param in module.parameters():
+        torch.nn.init.normal_(param, std=0.5)
     return module
 
 
-def test_top_k_router_weights_sum_to_one():
+def test_each_gate_is_its_own_router_class():
+    model = tiny_moe(router_type="switch")
+    assert type(model.model.layers[0].mlp.gate).__name__ == "LlamaMoESwitchRouter"
+    assert all(issubclass(cls, LlamaMoERouter) for cls in ROUTER_CLASSES.values())
+
+
+def test_top_k_router_is_mixtrals_renormalised_softmax():
     logits, weights, index = router("top_k")(torch.randn(10, 64))
     assert logits.shape == (10, 6) and weights.shape == index.shape == (10, 2)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(10))
-    assert torch.equal(index, logits.topk(2, dim=-1).indices)
+    probs = logits.softmax(-1)
+    expected_weights, expected_index = probs.topk(2, dim=-1)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(weights, expected_weights / expected_weights.sum(-1, keepdim=True))
 
 
 def test_switch_router_keeps_the_softmax_probability():
@@ -202,7 +185,6 @@ def test_noisy_top_k_router_is_deterministic_in_eval_and_noisy_in_training():
     noisy.eval()
     for expected, actual in zip(plain(states), noisy(states)):
         assert torch.equal(expected, actual)
-
     noisy.train()
     first, second = noisy(states)[0], noisy(states)[0]
     assert not torch.allclose(first, second)
@@ -210,8 +192,129 @@ def test_noisy_top_k_router_is_deterministic_in_eval_and_noisy_in_training():
     assert noisy.noise_weight.grad is not None and noisy.noise_weight.grad.abs().sum() > 0
 
 
+def test_selector_router_gives_unit_weights_with_a_straight_through_gradient():
+    selector = router("selector", top_k=3)
+    logits, weights, index = selector(torch.randn(10, 64))
+    assert torch.equal(weights, torch.ones(10, 3)) and torch.equal(index, logits.topk(3, dim=-1).indices)
+    weights.sum().backward()
+    assert selector.weight.grad.abs().sum() > 0 and selector.selector.weight.grad.abs().sum() > 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Generation, attention and expert implementations
+# Expert implementations
+
+
+def test_default_experts_implementation_is_chosen_per_device(tmp_path):
+    model = tiny_moe()
+    assert model.config._experts_implementation == "llama_moe_auto"
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "llama_moe_auto"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_mm")
+    assert loaded.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("implementation", ["llama_moe_auto", "llama_moe_cpu", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("num_shared_experts", [0, 1])
+def test_experts_implementations_match_the_eager_reference(implementation, num_shared_experts):
+    """Same logits and same gradients (through the router weights too) as the plain reference loop."""
+    model = tiny_moe(num_experts=6, num_experts_per_tok=2, num_shared_experts=num_shared_experts).train()
+    input_ids = token_batch(batch_size=3, length=9)
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(input_ids).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if "mlp" in name}
+
+    model.set_experts_implementation("eager")
+    expected_logits, expected_grads = logits_and_grads()
+    assert expected_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    model.set_experts_implementation(implementation)
+    logits, grads = logits_and_grads()
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-4)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, used_experts",
+    [(1, 4), (2, 4), (3, 4), (33, 4), (200, 4), (40, 2), (300, 4), (129, 2)],
+)
+def test_every_branch_of_the_cpu_dispatch_matches_grouped_mm(num_tokens, used_experts):
+    """4 experts, top-2: up to 2 tokens take the matrix-vector (decoding) branch; while no expert gets more than
+    BMM_MAX_ROWS_PER_EXPERT = 128 rows, the padded batched matmul (also with experts that get no token); beyond, the
+    per-expert loop. Each must equal transformers' grouped_mm implementation, gradients included."""
+    model = tiny_moe()
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(num_tokens)
+    states = torch.randn(num_tokens, 64, generator=generator)
+    index = torch.stack([torch.randperm(used_experts, generator=generator)[:2] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, 2, generator=generator)
+
+    def run(implementation):
+        model.set_experts_implementation(implementation)
+        inputs = [states.clone().requires_grad_(), weights.clone().requires_grad_()]
+        experts.zero_grad()
+        output = experts(inputs[0], index, inputs[1])
+        (output * torch.linspace(-1, 1, 64)).sum().backward()
+        return [output, *(t.grad for t in inputs), experts.gate_up_proj.grad, experts.down_proj.grad]
+
+    for expected, actual in zip(run("grouped_mm"), run("llama_moe_cpu")):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_default_path_is_deterministic_under_deterministic_algorithms():
+    model = tiny_moe(num_experts=6)
+    input_ids = token_batch(batch_size=4, length=40)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            first, second = model(input_ids).logits, model(input_ids).logits
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, second)
+
+
+@torch.no_grad()
+def test_bf16_forward():
+    model = tiny_moe()
+    input_ids = token_batch()
+    reference = model(input_ids).logits
+    logits = model.to(torch.bfloat16)(input_ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention, caches, generation, torch.compile
+
+
+@pytest.mark.parametrize("compensation", [False, True])
+def test_static_cache_generation_equals_the_dynamic_cache(compensation):
+    model = tiny_moe(num_shared_experts=1, moe_compensation=compensation, router_type="noisy_top_k")
+    input_ids = token_batch(batch_size=1, length=6)
+    kwargs = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    dynamic = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    uncached = model.generate(input_ids, use_cache=False, **kwargs)
+    assert dynamic.shape == (1, 16)
+    assert torch.equal(static, dynamic) and torch.equal(uncached, dynamic)
+
+
+@torch.no_grad()
+def test_a_compiled_decoding_step_has_no_graph_break_and_matches_eager():
+    """`fullgraph=True` fails on any graph break: under compile the experts run transformers' grouped_mm."""
+    assert LlamaMoEForCausalLM._can_compile_fullgraph
+    model = tiny_moe(num_shared_experts=1, moe_compensation=True)
+    input_ids, next_token = token_batch(batch_size=2, length=6), token_batch(batch_size=2, length=1, seed=1)
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    for cache in caches:
+        model(input_ids, past_key_values=cache, use_cache=True)
+    expected = model(next_token, past_key_values=caches[0], use_cache=True).logits
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    torch.testing.assert_close(
+        compiled(input_ids=next_token, past_key_values=caches[1], use_cache=True).logits, expected, atol=1e-5, rtol=1e-4
+    )
 
 
 def test_greedy_generation_with_cache_equals_without():
@@ -219,9 +322,7 @@ def test_greedy_generation_with_cache_equals_without():
     input_ids = token_batch(batch_size=1, length=6)
     kwargs = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
     cached = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), **kwargs)
-    uncached = model.generate(input_ids, use_cache=False, **kwargs)
-    assert cached.shape == (1, 16)
-    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, model.generate(input_ids, use_cache=False, **kwargs))
 
 
 @pytest.mark.slow
@@ -240,82 +341,14 @@ def test_batched_left_padded_generation_equals_one_by_one(smollm2, smollm2_moe_t
 
 
 @torch.no_grad()
-def test_eager_attention_equals_sdpa():
+@pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
+def test_attention_implementations_equal_sdpa(implementation):
     model = tiny_moe()
     input_ids = token_batch()
     model.set_attn_implementation("sdpa")
     sdpa = model(input_ids).logits
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(implementation)
     torch.testing.assert_close(model(input_ids).logits, sdpa, atol=1e-5, rtol=1e-4)
-
-
-def test_default_experts_implementation_is_ours(tmp_path):
-    model = tiny_moe()
-    assert model.config._experts_implementation == "eager"
-    model.save_pretrained(tmp_path)
-    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "eager"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_mm")
-    assert loaded.config._experts_implementation == "grouped_mm"
-
-
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("num_shared_experts", [0, 1])
-def test_transformers_experts_implementations_match_ours(implementation, num_shared_experts):
-    """Same logits and same gradients (through the router weights too) as our eager expert loop."""
-    model = tiny_moe(num_experts=6, num_experts_per_tok=2, num_shared_experts=num_shared_experts).train()
-    input_ids = token_batch(batch_size=3, length=9)
-
-    def logits_and_grads():
-        model.zero_grad()
-        logits = model(input_ids).logits
-        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if "mlp" in name}
-
-    expected_logits, expected_grads = logits_and_grads()
-    assert expected_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
-    model.set_experts_implementation(implementation)
-    assert model.config._experts_implementation == implementation
-    logits, grads = logits_and_grads()
-    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-4)
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize(
-    "num_tokens, used_experts",
-    [(1, 4), (2, 4), (3, 4), (33, 4), (200, 4), (40, 2), (300, 4), (129, 2)],
-)
-def test_every_expert_path_matches_grouped_mm(num_tokens, used_experts):
-    """4 experts, top-2: up to 2 tokens take the per-pair (decoding) path; while no expert gets more than
-    BMM_MAX_ROWS_PER_EXPERT = 128 rows, the padded batched matmul (also with experts that get no token); beyond, the
-    per-expert loop. Each must equal transformers' grouped_mm implementation, gradients included."""
-    model = tiny_moe()
-    experts = model.model.layers[0].mlp.experts
-    generator = torch.Generator().manual_seed(num_tokens)
-    states = torch.randn(num_tokens, 64, generator=generator)
-    index = torch.stack([torch.randperm(used_experts, generator=generator)[:2] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, 2, generator=generator)
-
-    def run(implementation):
-        model.set_experts_implementation(implementation)
-        inputs = [states.clone().requires_grad_(), weights.clone().requires_grad_()]
-        experts.zero_grad()
-        output = experts(inputs[0], index, inputs[1])
-        (output * torch.linspace(-1, 1, 64)).sum().backward()
-        return [output, *(t.grad for t in inputs), experts.gate_up_proj.grad, experts.down_proj.grad]
-
-    for expected, actual in zip(run("grouped_mm"), run("eager")):
-        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
-
-
-@torch.no_grad()
-def test_bf16_forward():
-    model = tiny_moe()
-    input_ids = token_batch()
-    reference = model(input_ids).logits
-    logits = model.to(torch.bfloat16)(input_ids).logits
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -336,22 +369,33 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Router outputs and auxiliary losses
+# Router outputs and losses
 
 
-def test_router_logits_and_loss_composition():
-    model = tiny_moe(num_experts=5, moe_layers=[1], router_aux_loss_coef=0.02, router_z_loss_coef=0.3)
+def test_router_logits_and_the_balance_loss_in_loss():
+    model = tiny_moe(num_experts=5, moe_layers=[1], router_aux_loss_coef=0.02)
     input_ids = token_batch(batch_size=2, length=7)
     plain = model(input_ids, labels=input_ids)
     assert plain.aux_loss is None and not plain.router_logits
-
     out = model(input_ids, labels=input_ids, output_router_logits=True)
-    assert len(out.router_logits) == 1  # one MoE layer
-    assert out.router_logits[0].shape == (14, 5)
-    expected_aux = load_balancing_loss_func(out.router_logits, 5, 2)
-    torch.testing.assert_close(out.aux_loss, expected_aux)
-    z_loss = router_z_loss_func(out.router_logits)
-    torch.testing.assert_close(out.loss, plain.loss + 0.02 * out.aux_loss + 0.3 * z_loss)
+    assert len(out.router_logits) == 1 and out.router_logits[0].shape == (14, 5)  # one MoE layer
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss_func(out.router_logits, 5, 2))
+    torch.testing.assert_close(out.loss, plain.loss + 0.02 * out.aux_loss)
+
+
+def test_z_loss_reaches_the_gradients_without_being_part_of_the_loss():
+    """In training the z-loss is attached to the graph: the gradients equal those of lm + balance + z written out."""
+    input_ids = token_batch()
+    with_z = tiny_moe(router_aux_loss_coef=0.02, router_z_loss_coef=0.5).train()
+    without_z = tiny_moe(router_aux_loss_coef=0.02, router_z_loss_coef=0.0).train()
+    out = with_z(input_ids, labels=input_ids, output_router_logits=True)
+    out.loss.backward()
+    reference = without_z(input_ids, labels=input_ids, output_router_logits=True)
+    torch.testing.assert_close(out.loss, reference.loss)  # same value: the z-loss is not in `loss`
+    (reference.loss + 0.5 * router_z_loss_func(reference.router_logits)).backward()
+    for (name, param), other in zip(with_z.named_parameters(), without_z.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert with_z.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
 def test_aux_loss_alone_trains_the_router():
@@ -360,17 +404,7 @@ def test_aux_loss_alone_trains_the_router():
     model(token_batch()).aux_loss.backward()
     for layer in model.model.layers:
         assert layer.mlp.gate.weight.grad.abs().sum() > 0
-    # Only routing probabilities enter the loss: the last layer's experts feed no router.
-    assert model.model.layers[-1].mlp.experts.down_proj.grad is None
-
-
-def test_z_loss_is_positive_and_differentiable():
-    model = tiny_moe()
-    out = model(token_batch(), output_router_logits=True)
-    z_loss = router_z_loss_func(out.router_logits)
-    assert z_loss > 0
-    z_loss.backward()
-    assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+    assert model.model.layers[-1].mlp.experts.down_proj.grad is None  # only routing probabilities enter the loss
 
 
 @torch.no_grad()
@@ -385,22 +419,47 @@ def test_aux_loss_ignores_padding():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint format
+# Heads, parallel plans, checkpoint format
+
+
+def test_sequence_and_token_classification_heads(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    moe = tiny_moe(num_shared_experts=1)
+    moe.config.pad_token_id, moe.config.num_labels = 0, 3
+    moe.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    input_ids = torch.cat([token_batch(batch_size=2, length=7), torch.zeros(2, 2, dtype=torch.long)], dim=1)
+    for auto_class, shape in (
+        (AutoModelForSequenceClassification, (2, 3)),
+        (AutoModelForTokenClassification, (2, 9, 3)),
+    ):
+        assert saved[auto_class.__name__].startswith("modeling_llama_moe.LlamaMoEFor")
+        head, info = auto_class.from_pretrained(tmp_path, output_loading_info=True)
+        assert type(head).__name__ == saved[auto_class.__name__].split(".")[1]
+        assert set(info["missing_keys"]) == {"score.weight", "score.bias"} & set(head.state_dict())
+        torch.testing.assert_close(head.model.embed_tokens.weight, moe.model.embed_tokens.weight)
+        assert head.eval()(input_ids).logits.shape == shape
+
+
+def test_parallel_plans_name_real_parameters():
+    """Every rule of the tensor- and expert-parallel plans matches parameters of a model with shared experts, dense
+    layers and MoE layers (an unmatched rule is a silent no-op)."""
+    import re
+
+    model = tiny_moe(num_shared_experts=1, moe_layers=[1])
+    names = [re.sub(r"\.\d+\.", ".*.", name) for name, _ in model.model.named_parameters()]
+    modules = [re.sub(r"\.\d+\.", ".*.", name) for name, _ in model.model.named_modules()]
+    for plan in (model.config.base_model_tp_plan, model.config.base_model_ep_plan):
+        for pattern in plan:
+            assert any(n == pattern or n.startswith(pattern + ".") for n in names + modules), pattern
+    assert {"layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts"} <= set(model.config.base_model_tp_plan)
 
 
 def test_save_and_load_round_trip(tmp_path):
     dense = tiny_llama(num_hidden_layers=3)
-    moe = moe_from_dense(
-        dense,
-        split_random(96, 3, num_shared_experts=1),
-        router_std=0.5,
-        num_experts_per_tok=2,
-        moe_layers=[0, 2],
-        score_scale_factor=[2.0, 1.0, 3.0],
-        router_type="switch",
-        router_aux_loss_coef=0.05,
-        conversion_info={"method": "random", "seed": 0},
-    )
+    moe = build_moe(dense, num_experts=3, top_k=2, num_shared_experts=1, moe_layers=["0,2"], router_type="switch")
+    moe.config.router_aux_loss_coef = 0.05
     moe.save_pretrained(tmp_path)
     assert {"config.json", "model.safetensors", "configuration_llama_moe.py", "modeling_llama_moe.py"} <= {
         path.name for path in tmp_path.iterdir()
@@ -408,7 +467,6 @@ def test_save_and_load_round_trip(tmp_path):
     saved_config = json.loads((tmp_path / "config.json").read_text())
     assert saved_config["model_type"] == "llama_moe"
     assert saved_config["auto_map"]["AutoModelForCausalLM"] == "modeling_llama_moe.LlamaMoEForCausalLM"
-
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj").shape == (3, 2 * 24, 64)
@@ -421,16 +479,23 @@ def test_save_and_load_round_trip(tmp_path):
         prefix = f"model.layers.{layer_idx}.mlp."
         assert {key[len(prefix) :] for key in keys if key.startswith(prefix)} == expected
     assert not [key for key in keys if "weight_g" in key or "weight_v" in key]
-    assert not [name for name, _ in moe.named_parameters() if "weight_g" in name or "weight_v" in name]
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is LlamaMoEForCausalLM
-    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_shared_experts",
-                  "score_scale_factor", "router_type", "router_aux_loss_coef", "moe_layers", "conversion_info",
-                  "num_key_value_heads"):  # fmt: skip
+    for field in (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_shared_experts",
+        "score_scale_factor",
+        "router_type",
+        "router_aux_loss_coef",
+        "moe_layers",
+        "conversion_info",
+        "num_key_value_heads",
+    ):
         assert getattr(loaded.config, field) == getattr(moe.config, field), field
     for name, tensor in moe.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    input_ids = token_batch()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids).logits, moe(input_ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(loaded(token_batch()).logits, moe(token_batch()).logits, atol=0, rtol=0)

@@ -1,5 +1,5 @@
 """Training LlamaMoE with the Hugging Face stack: PEFT LoRA on the fused experts, Trainer, TRL's SFTTrainer with the
-router aux loss, and two-process CPU DDP. Models are the real SmolLM2 cut to a few layers and split into experts,
+router losses, and two-process CPU DDP. Models are the real SmolLM2 cut to a few layers and split into experts,
 trained on real text."""
 
 import copy
@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from helpers import char_tokenizer, tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from test_modeling import moe_from_dense
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.initialization import no_init_weights
 
-from llama_moe_hf import LlamaMoEForCausalLM
-from llama_moe_hf.conversion.experts import split_random
+from llama_moe_hf import LlamaMoEForCausalLM, build_moe
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +32,11 @@ def small_smollm2_moe(smollm2, num_layers: int = 2, **moe_fields) -> LlamaMoEFor
     with no_init_weights():
         small = LlamaForCausalLM(config)
     small.load_state_dict(dense.state_dict(), strict=False)  # the deeper layers' keys are simply not used
-    torch.manual_seed(0)
-    return moe_from_dense(small, split_random(1536, 8), router_std=0.02, num_experts_per_tok=2, **moe_fields)
+    small.tie_weights()
+    moe = build_moe(small, num_experts=8, top_k=2)
+    for name, value in moe_fields.items():
+        setattr(moe.config, name, value)
+    return moe
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,42 @@ def test_sft_trainer_adds_the_router_aux_loss(smollm2, real_text, tmp_path):
     trainer.train()
     aux = [log["aux_loss"] for log in trainer.state.log_history if "aux_loss" in log]
     assert len(aux) == 2 and all(value > 0 for value in aux)
+
+
+def test_every_router_loss_trains_alike_under_sft_trainer_and_trainer(tmp_path):
+    """AttnMoE with an MLP MoE and a z-loss: SFTTrainer's fused head adds the balance loss of `router_logits` (the MLP
+    routers) itself; the attention routers' balance loss and the z-loss are in the graph. Every gradient must equal
+    the one of the model's own loss, which `Trainer` uses."""
+    from trl import SFTConfig, SFTTrainer
+
+    model = build_moe(tiny_llama(), attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4).train()
+    model.config.router_z_loss_coef, model.config.router_aux_loss_coef = 0.5, 0.1
+    for layer in model.model.layers:  # the z-loss weight is read when the model is built
+        layer.mlp.z_loss_weight = layer.self_attn.z_loss_weight = 0.5 / model.config.num_router_layers
+    texts = ["The quick brown fox jumps over the lazy dog, again and again.", "Sorting lists in place, stably."]
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_length=40,
+        use_cpu=True,
+        report_to=[],
+        padding_free=False,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=char_tokenizer()
+    )
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+    sft = gradients(trainer.compute_loss(model, dict(inputs)))
+    own = gradients(model(**{k: v for k, v in inputs.items() if k != "use_cache"}).loss)
+    assert sft.keys() == own.keys() and "model.layers.0.self_attn.gate.weight" in own
+    for name, grad in own.items():
+        torch.testing.assert_close(sft[name], grad, atol=2e-6, rtol=1e-4, msg=name)
 
 
 def test_two_process_cpu_ddp_keeps_ranks_identical(tmp_path):

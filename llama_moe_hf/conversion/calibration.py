@@ -1,31 +1,24 @@
-"""Calibration data and statistics for the data-driven expert construction methods.
+"""Calibration: the text a conversion runs the dense model on, and the context that runs it once.
 
-    load_calibration_texts   local file/folder, a `datasets` name, or the built-in corpus -> list of documents
-    tokenize_calibration     documents -> `[B, seq_len]` token ids (packed, EOS between documents)
-    collect_calibration      one streaming pass over the dense model -> per-layer `LayerCalibration`
-
-The statistics are bounded in memory whatever the number of calibration tokens: running sums for means and
-importances, and a fixed-size deterministic sample of the MLP inputs.
+load_calibration_texts   local file/folder, a `datasets` name, or the built-in corpus -> list of documents
+tokenize_calibration     documents -> `[B, seq_len]` token ids (packed, EOS between documents)
+CalibrationContext       one per conversion: loads the dense model at most once, records every statistic the
+                         components asked for in one pass, and hands the results to them explicitly
 """
 
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .corpus import stdlib_docstrings
+from .statistics import CalibrationStatistics, LayerCalibration, collect_calibration
 
 logger = logging.getLogger(__name__)
-DEFAULT_CALIBRATION_SAMPLES = 8192  # MLP inputs kept per layer (`--calibration-samples`)
 
 TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet")
-# `token_groups(layer_idx, mlp_inputs [T, H]) -> group ids [T]`: buckets the importance of each token.
-TokenGroups = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,8 +48,7 @@ def _pick_text_column(row: dict, source: str) -> str:
     string_fields = [key for key, value in row.items() if isinstance(value, str)]
     if len(string_fields) != 1:
         raise ValueError(
-            f"{source}: cannot tell which field holds the text (fields: {sorted(row)}); "
-            "name the text field 'text'."
+            f"{source}: cannot tell which field holds the text (fields: {sorted(row)}); name the text field 'text'."
         )
     return string_fields[0]
 
@@ -102,7 +94,7 @@ def _load_dataset_texts(
                 break
     except ValueError:
         raise
-    except Exception as error:  # noqa: BLE001 - datasets raises many types (not found, offline, auth, ...)
+    except Exception as error:
         raise ValueError(
             f"Could not load calibration data {name!r}: it is not a local file or folder, and "
             f"datasets.load_dataset({path!r}{', ' + repr(config) if config else ''}, split={split!r}) failed "
@@ -177,199 +169,180 @@ def tokenize_calibration(texts: list[str], tokenizer, num_tokens: int, seq_len: 
     if len(stream) < num_tokens:
         logger.warning(
             "Calibration text has %d tokens, fewer than the %d asked for; using %d sequences of %d.",
-            len(stream), num_tokens, num_sequences, seq_len,
+            len(stream),
+            num_tokens,
+            num_sequences,
+            seq_len,
         )
     return torch.tensor(stream[: num_sequences * seq_len], dtype=torch.long).view(num_sequences, seq_len)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Statistics
+# The context of one conversion
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class LayerCalibration:
-    """Calibration statistics of one decoder layer's MLP (all float32 on CPU).
+class CalibrationContext:
+    """What one conversion learns from running the dense model: computed once, passed explicitly to the components.
 
-    hidden_states:   `[n, H]` sampled MLP inputs (post_attention_layernorm outputs), n <= max_hidden_samples.
-    mean_activation: `[I]` mean over all calibration tokens of the SwiGLU activation h = silu(x W_gate) * (x W_up).
-    importance:      `[G, I]` mean over the tokens of group g of |h * dL/dh| (first-order Taylor importance);
-                     None when collected without gradients.
-    group_counts:    `[G]` tokens per group (None without gradients).
+    Components first `request_*` the statistics they will use; `collect()` then loads the dense model (once) and
+    records them all in a single no-gradient pass over the calibration tokens. Gradient passes (neuron importance)
+    and k-means centroids are computed on demand from the same model and cached. `release()` drops the model before
+    the streaming write.
+
+    recipe: the calibration settings (`calibration_*`, `seed`). load_model / load_tokenizer: called at most once.
+    input_ids: calibration tokens `[B, S]` to use instead of tokenizing the recipe's calibration data.
     """
 
-    hidden_states: torch.Tensor
-    mean_activation: torch.Tensor
-    importance: torch.Tensor | None = None
-    group_counts: torch.Tensor | None = None
+    def __init__(
+        self,
+        recipe,
+        load_model: Callable,
+        load_tokenizer: Callable | None = None,
+        *,
+        input_ids=None,
+        device: str | None = None,
+        batch_size: int = 4,
+        progress: bool = True,
+    ):
+        self.recipe = recipe
+        self._load_model, self._load_tokenizer = load_model, load_tokenizer
+        self._model = None
+        self._released = False
+        self._input_ids = input_ids
+        self.data_description = "given token ids" if input_ids is not None else None
+        self.device, self.batch_size, self.progress = device, batch_size, progress
+        self.statistics = CalibrationStatistics()
+        self._mlp_requests: set[int] = set()
+        self._attention_requests: dict[int, int] = {}  # layer -> attention experts
+        self._embeddings_requested = False
+        self._importance: dict[str, dict[int, LayerCalibration]] = {}
+        self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
 
+    # Requests, then one pass ---------------------------------------------------------------------------------
 
-class _LayerAccumulator:
-    """Hooks on one dense MLP: `mlp` (inputs) and `mlp.down_proj` (activations h and, in backward, dL/dh)."""
+    def request_mlp(self, layers) -> None:
+        """MLP input samples and mean activations of `layers` (`mlp(layer)`)."""
+        self._mlp_requests.update(layers)
 
-    def __init__(self, layer_idx, mlp, num_groups, token_groups, with_gradients, num_samples):
-        self.layer_idx = layer_idx
-        self.num_groups = num_groups
-        self.token_groups = token_groups
-        self.with_gradients = with_gradients
-        self.hidden_size = mlp.down_proj.out_features
-        self.sample_rows: torch.Tensor | None = None  # rows of the current batch to keep, set per batch
-        # Filled in place, batch by batch: appending pieces and concatenating them at the end would leave the freed
-        # pieces in the allocator's heap and about double the resident memory (measured: 11.9 GB for 30 x 65536).
-        self.samples = torch.empty(num_samples, self.hidden_size)
-        self.num_sampled = 0
-        self.activation_sum = torch.zeros(mlp.down_proj.in_features, dtype=torch.float64)
-        self.importance_sum = torch.zeros(num_groups, mlp.down_proj.in_features, dtype=torch.float64)
-        self.group_counts = torch.zeros(num_groups, dtype=torch.long)
-        self.num_tokens = 0
-        self.groups: torch.Tensor | None = None  # [T] group ids of the current batch
-        self.handles = [
-            mlp.register_forward_pre_hook(self._mlp_input),
-            mlp.down_proj.register_forward_pre_hook(self._activation),
-        ]
+    def request_attention(self, layers, num_experts: int) -> None:
+        """The attention-router fit statistics of `layers` for `num_experts` attention experts (`attention(layer)`)."""
+        self._attention_requests.update({layer: num_experts for layer in layers})
 
-    def _mlp_input(self, module, args):
-        x = args[0].detach().flatten(0, -2)  # [T, H]
-        if self.sample_rows is not None and self.sample_rows.numel():
-            end = self.num_sampled + self.sample_rows.numel()
-            self.samples[self.num_sampled : end] = x[self.sample_rows.to(x.device)].float().cpu()
-            self.num_sampled = end
-        if self.with_gradients:
-            if self.token_groups is None:
-                self.groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-            else:
-                with torch.no_grad():
-                    self.groups = self.token_groups(self.layer_idx, x).to(device=x.device, dtype=torch.long)
-                groups = self.groups
-                valid = groups.shape == (x.shape[0],) and bool(((groups >= 0) & (groups < self.num_groups)).all())
-                if not valid:
-                    raise ValueError(f"token_groups must return {x.shape[0]} group ids in [0, {self.num_groups}).")
+    def request_sequence_embeddings(self) -> None:
+        self._embeddings_requested = True
 
-    def _activation(self, module, args):
-        h = args[0]  # [B, S, I]
-        flat = h.detach().flatten(0, -2)
-        self.activation_sum += flat.float().sum(0).double().cpu()
-        self.num_tokens += flat.shape[0]
-        if self.with_gradients and h.requires_grad:
-            groups = self.groups
-            h.register_hook(lambda grad: self._accumulate_importance(flat, grad.flatten(0, -2), groups))
+    def collect(self) -> None:
+        """Record everything requested and not recorded yet, in one pass (nothing to do: no model is loaded)."""
+        stats = self.statistics
+        mlp = sorted(self._mlp_requests - stats.mlp.keys())
+        attention = {i: e for i, e in self._attention_requests.items() if i not in stats.attention}
+        embeddings = self._embeddings_requested and stats.sequence_embeddings is None
+        if not (mlp or attention or embeddings):
+            return
+        new = collect_calibration(
+            self.model(),
+            self.input_ids,
+            mlp,
+            attention_experts=attention,
+            sequence_embeddings=embeddings,
+            max_hidden_samples=self.recipe.calibration_samples,
+            batch_size=self.batch_size,
+            seed=self.recipe.seed,
+            progress=self.progress,
+        )
+        stats.mlp.update(new.mlp)
+        stats.attention.update(new.attention)
+        if embeddings:
+            stats.sequence_embeddings = new.sequence_embeddings
 
-    def _accumulate_importance(self, h, grad, groups):
-        scores = (h.float() * grad.float()).abs()  # [T, I]
-        batch_sum = torch.zeros(self.num_groups, scores.shape[1], device=scores.device).index_add_(0, groups, scores)
-        self.importance_sum += batch_sum.double().cpu()
-        self.group_counts += torch.bincount(groups, minlength=self.num_groups).cpu()
+    # Results ---------------------------------------------------------------------------------------------------
 
-    def result(self) -> LayerCalibration:
-        hidden = self.samples[: self.num_sampled]
-        importance = counts = None
-        if self.with_gradients:
-            counts = self.group_counts
-            importance = (self.importance_sum / counts.clamp(min=1)[:, None]).float()
-        mean = (self.activation_sum / max(self.num_tokens, 1)).float()
-        return LayerCalibration(hidden_states=hidden, mean_activation=mean, importance=importance, group_counts=counts)
+    def mlp(self, layer: int) -> LayerCalibration:
+        self.request_mlp([layer])
+        self.collect()
+        return self.statistics.mlp[layer]
 
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
+    def attention(self, layer: int):
+        self.collect()
+        return self.statistics.attention[layer]
 
+    def sequence_embeddings(self) -> torch.Tensor:
+        self.request_sequence_embeddings()
+        self.collect()
+        return self.statistics.sequence_embeddings
 
-def _base_model(model):
-    return getattr(model, model.base_model_prefix, model)
+    def importance(self, key: str, layers, **groups) -> dict[int, LayerCalibration]:
+        """Neuron importance per token group (a gradient pass), cached under `key`; `groups` are
+        `collect_calibration`'s `token_groups` / `sequence_groups` and `num_groups`."""
+        if key not in self._importance:
+            self._importance[key] = collect_calibration(
+                self.model(),
+                self.input_ids,
+                layers,
+                with_gradients=True,
+                batch_size=self.batch_size,
+                max_hidden_samples=0,
+                seed=self.recipe.seed,
+                progress=self.progress,
+                **groups,
+            ).mlp
+        return self._importance[key]
 
+    def kmeans_centroids(self, layer: int, num_experts: int) -> torch.Tensor:
+        """`[E, H]` balanced k-means centroids of the layer's MLP input sample (routers of LLaMA-MoE v2), cached."""
+        if (layer, num_experts) not in self._centroids:
+            from .clustering import kmeans_router
 
-def collect_calibration(
-    model,
-    input_ids: torch.LongTensor,  # [B, S]
-    layers,
-    *,
-    with_gradients: bool = False,
-    token_groups: TokenGroups | None = None,
-    sequence_groups: torch.Tensor | None = None,
-    num_groups: int = 1,
-    max_hidden_samples: int = DEFAULT_CALIBRATION_SAMPLES,
-    batch_size: int = 4,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[int, LayerCalibration]:
-    """Stream the calibration sequences through a dense LLaMA model and return statistics for the `layers`' MLPs.
+            samples = self.mlp(layer).hidden_states
+            self._centroids[layer, num_experts] = kmeans_router(samples, num_experts, seed=self.recipe.seed)
+        return self._centroids[layer, num_experts]
 
-    With `with_gradients`, the summed next-token loss is back-propagated (the parameters get no gradients) and each
-    token's |h * dL/dh| is added to its group: `token_groups(layer_idx, mlp_inputs [T, H]) -> [T]` (for example the
-    argmax of a router), or `sequence_groups [B]` (one group per calibration sequence), else group 0. A summed loss
-    makes the statistics independent of `batch_size`. The hidden-state sample takes the same token positions
-    (seeded) whatever the batch size. Runs on `device` (the model is moved there), else on the model's device.
-    """
-    if token_groups is not None and sequence_groups is not None:
-        raise ValueError("Pass token_groups or sequence_groups, not both.")
-    if device is not None:
-        model.to(device)
-    device = next(model.parameters()).device
-    layers = sorted(set(layers))
-    decoder_layers = _base_model(model).layers
-    bad = [i for i in layers if not 0 <= i < len(decoder_layers)]
-    if bad:
-        raise ValueError(f"Calibration layers {bad} are outside 0..{len(decoder_layers) - 1}.")
-    num_sequences, seq_len = input_ids.shape
-    total_tokens = num_sequences * seq_len
-    if sequence_groups is not None:
-        sequence_groups = torch.as_tensor(sequence_groups, dtype=torch.long)
-        if sequence_groups.shape != (num_sequences,):
-            raise ValueError(f"sequence_groups must hold one group id per sequence ({num_sequences}).")
-    # Fixed token positions for the hidden-state sample: [n] sorted global indices.
-    generator = torch.Generator().manual_seed(seed)
-    sample = torch.randperm(total_tokens, generator=generator)[:max_hidden_samples].sort().values
+    def set_kmeans_centroids(self, centroids: dict[int, torch.Tensor]) -> None:
+        """Centroids read from a split file instead of computed."""
+        self._centroids.update({(layer, c.shape[0]): c for layer, c in centroids.items()})
 
-    accumulators = {
-        i: _LayerAccumulator(i, decoder_layers[i].mlp, num_groups, token_groups, with_gradients, sample.numel())
-        for i in layers
-    }
-    was_training = model.training
-    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-    model.eval()
-    model.requires_grad_(False)
-    try:
-        for start in tqdm(range(0, num_sequences, batch_size), desc="Calibrating", unit="batch", disable=not progress):
-            batch = input_ids[start : start + batch_size].to(device)
-            first, last = start * seq_len, (start + batch.shape[0]) * seq_len
-            in_batch = sample[(sample >= first) & (sample < last)] - first
-            for acc in accumulators.values():
-                acc.sample_rows = in_batch
-                if sequence_groups is not None:
-                    groups = sequence_groups[start : start + batch.shape[0]].repeat_interleave(seq_len)
-                    acc.token_groups = lambda layer_idx, x, groups=groups: groups
-            if with_gradients:
-                # Gradients flow from the loss back to every layer's h; a leaf embedding switches autograd on.
-                embeds = model.get_input_embeddings()(batch).detach().requires_grad_(True)
-                logits = model(inputs_embeds=embeds).logits
-                loss = F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-                )
-                loss.backward()
-                del logits, loss, embeds
-            else:
-                with torch.no_grad():
-                    _base_model(model)(input_ids=batch)  # the LM head is not needed
-    finally:
-        for acc in accumulators.values():
-            acc.remove()
-        for name, param in model.named_parameters():
-            param.requires_grad_(requires_grad[name])
-        model.train(was_training)
-    return {i: acc.result() for i, acc in accumulators.items()}
+    def has_kmeans_centroids(self, layers, num_experts: int) -> bool:
+        return all((layer, num_experts) in self._centroids for layer in layers)
 
+    # The model and the tokens ----------------------------------------------------------------------------------
 
-def sequence_embeddings(
-    model, input_ids: torch.LongTensor, batch_size: int = 4, progress: bool = True
-) -> torch.Tensor:
-    """`[B, H]` float32 CPU: each calibration sequence's mean final hidden state (used to cluster the texts)."""
-    device = next(model.parameters()).device
-    base = _base_model(model)
-    outputs = []
-    with torch.no_grad():
-        batches = range(0, input_ids.shape[0], batch_size)
-        for start in tqdm(batches, desc="Embedding texts", unit="batch", disable=not progress):
-            hidden = base(input_ids=input_ids[start : start + batch_size].to(device)).last_hidden_state
-            outputs.append(hidden.float().mean(dim=1).cpu())
-    return torch.cat(outputs)
+    def model(self):
+        """The dense model, loaded on first use (on `device`, else CUDA when available; float32 on CPU)."""
+        if self._released:
+            raise RuntimeError("The dense model was released: request calibration statistics before prepare().")
+        if self._model is None:
+            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model = self._load_model(None if device != "cpu" else torch.float32)
+            self._model = model.to(device)
+        return self._model
+
+    @property
+    def input_ids(self) -> torch.LongTensor:
+        """`[B, calibration_seq_len]` calibration tokens, made once from the recipe's calibration data."""
+        if self._input_ids is None:
+            r = self.recipe
+            texts, self.data_description = load_calibration_texts(
+                r.calibration_data,
+                max_chars=16 * r.calibration_tokens,  # a streamed dataset stops early
+            )
+            if self._load_tokenizer is None:
+                raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
+            self._input_ids = tokenize_calibration(
+                texts, self._load_tokenizer(), r.calibration_tokens, r.calibration_seq_len
+            )
+            num_sequences, seq_len = self._input_ids.shape
+            logger.info(
+                "Calibration data: %s -> %d sequences of %d tokens.", self.data_description, num_sequences, seq_len
+            )
+        return self._input_ids
+
+    @property
+    def used(self) -> bool:
+        """Whether calibration tokens were used (then `conversion_info` records the calibration settings)."""
+        return self._input_ids is not None
+
+    def release(self) -> None:
+        """Drop the dense model (the statistics stay), so that the streaming write holds about one layer."""
+        self._model = None
+        self._released = True

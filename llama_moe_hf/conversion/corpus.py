@@ -22,7 +22,7 @@ def stdlib_docstrings(min_chars: int = 200) -> list[str]:
                 continue
             try:
                 module = importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - platform-specific modules (winreg, ...) fail to import here
+            except Exception:
                 continue
             members = [module] + [getattr(module, attr, None) for attr in sorted(getattr(module, "__all__", []))]
             for member in members:

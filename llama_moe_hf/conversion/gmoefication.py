@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.configuration_llama_moe import LlamaMoEConfig
-from ..modeling.modeling_llama_moe import LlamaMoERouter
+from ..modeling.modeling_llama_moe import LlamaMoESelectorRouter
+from .choices import SELECTOR_OBJECTIVES
 from .experts import ExpertSplit
 
 logger = logging.getLogger(__name__)
 ENERGY_CHUNK_TOKENS = 2048
-SELECTOR_OBJECTIVES = ("listwise", "bce")
 
 
 def compensation_table(split: ExpertSplit, down_proj: torch.Tensor, mean_activation: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,7 @@ def selector_loss(scores: torch.Tensor, energy: torch.Tensor, objective: str = "
     return (keep + drop).mean()
 
 
-def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoERouter:
+def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoESelectorRouter:
     """The model's own `"selector"` router module, so the trained state dict loads into `mlp.gate` as is."""
     config = LlamaMoEConfig(
         vocab_size=1,
@@ -135,7 +135,7 @@ def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoERouter:
         num_experts_per_tok=1,
         router_type="selector",
     )
-    router = LlamaMoERouter(config)
+    router = LlamaMoESelectorRouter(config)
     bound = hidden_size**-0.5  # nn.Linear's default init for the first layer; the second is an nn.Linear already
     torch.nn.init.uniform_(router.weight, -bound, bound)
     torch.nn.init.uniform_(router.bias, -bound, bound)
@@ -197,54 +197,44 @@ def energy_recall(scores: torch.Tensor, energy: torch.Tensor, top_k: int) -> flo
     return (chosen / energy.topk(top_k, dim=-1).values.sum()).item()
 
 
-def gmoefication_tensors(
+def train_layer_selector(
     hidden_states: torch.Tensor,  # [n, H] calibration MLP inputs
-    mean_activation: torch.Tensor,  # [I]
-    split: ExpertSplit,
-    expert_tensors: dict[str, torch.Tensor],
-    down_proj: torch.Tensor,  # [H, I] of the dense FFN
+    expert_tensors: dict[str, torch.Tensor],  # `experts.gate_up_proj` [E, 2m, H], `experts.down_proj` [E, H, m]
+    expert_mean: torch.Tensor | None,  # [E, m] mean activations (with compensation), or None (without)
     *,
-    compensation: bool,
-    selector: bool,
     top_k: int,
-    selector_steps: int = 100,
-    selector_objective: str = "listwise",
+    steps: int = 100,
+    objective: str = "listwise",
     seed: int = 0,
     holdout: float = 0.1,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The G-MoEfication tensors of one layer, keyed by their names under `mlp.` (`compensation`, `gate.*`), and
-    the selector's held-out quality.
+    """One layer's selector router (state dict keyed under `mlp.gate.`), and its held-out quality.
 
-    The selector is trained on the first `1 - holdout` of the calibration tokens; its `energy_recall` at `top_k` on
-    the rest is returned (and logged) next to a random router's (`{"selector_recall", "random_recall"}`, empty
-    without a selector or holdout), so a bad fit shows.
+    The target is each expert's deviation energy: with compensation, the output lost when the expert's activations
+    are replaced by their means; without, its whole output. The selector is trained on the first `1 - holdout` of
+    the calibration tokens; its `energy_recall` at `top_k` on the rest is returned (and logged) next to a random
+    router's (`{"selector_recall", "random_recall"}`, empty without a holdout), so that a bad fit shows.
     """
-    tensors, quality = {}, {}
-    if compensation:
-        tensors["compensation"] = compensation_table(split, down_proj, mean_activation)
-    if selector:
-        # Without compensation a dropped expert loses its whole output: the target is its plain output energy.
-        expert_mean = mean_activation[split.expert_neurons] if compensation else torch.zeros(split.expert_neurons.shape)
-        gate_up_proj, experts_down = expert_tensors["experts.gate_up_proj"], expert_tensors["experts.down_proj"]
-        energy = deviation_energy(hidden_states, gate_up_proj, experts_down, expert_mean)
-        num_train = max(1, round(hidden_states.shape[0] * (1 - holdout)))
-        state = train_selector(
-            hidden_states[:num_train], energy[:num_train], split.num_experts, selector_steps, seed, selector_objective
-        )
-        if num_train < hidden_states.shape[0]:
-            held_out = hidden_states[num_train:]
-            generator = torch.Generator().manual_seed(seed)
-            random_scores = torch.rand(held_out.shape[0], split.num_experts, generator=generator)
-            quality = {
-                "selector_recall": energy_recall(selector_scores(state, held_out), energy[num_train:], top_k),
-                "random_recall": energy_recall(random_scores, energy[num_train:], top_k),
-            }
-            logger.info(
-                "selector energy recall at top-%d on %d held-out tokens: %.3f (random router %.3f)",
-                top_k,
-                held_out.shape[0],
-                quality["selector_recall"],
-                quality["random_recall"],
-            )
-        tensors.update({f"gate.{name}": tensor for name, tensor in state.items()})
-    return tensors, quality
+    gate_up_proj, down_proj = expert_tensors["experts.gate_up_proj"], expert_tensors["experts.down_proj"]
+    num_experts = gate_up_proj.shape[0]
+    if expert_mean is None:
+        expert_mean = torch.zeros(num_experts, down_proj.shape[-1])
+    energy = deviation_energy(hidden_states, gate_up_proj, down_proj, expert_mean)
+    num_train = max(1, round(hidden_states.shape[0] * (1 - holdout)))
+    state = train_selector(hidden_states[:num_train], energy[:num_train], num_experts, steps, seed, objective)
+    if num_train == hidden_states.shape[0]:
+        return state, {}
+    held_out = hidden_states[num_train:]
+    random_scores = torch.rand(held_out.shape[0], num_experts, generator=torch.Generator().manual_seed(seed))
+    quality = {
+        "selector_recall": energy_recall(selector_scores(state, held_out), energy[num_train:], top_k),
+        "random_recall": energy_recall(random_scores, energy[num_train:], top_k),
+    }
+    logger.info(
+        "selector energy recall at top-%d on %d held-out tokens: %.3f (random router %.3f)",
+        top_k,
+        held_out.shape[0],
+        quality["selector_recall"],
+        quality["random_recall"],
+    )
+    return state, quality

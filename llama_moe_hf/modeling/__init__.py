@@ -1,33 +1,54 @@
-"""Model families of llama-moe-hf. Importing this module registers them with the transformers Auto classes."""
+"""Model families of llama-moe-hf. Importing this module registers them with the transformers Auto classes.
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+Each family's config and heads are also registered for `save_pretrained`'s remote code: it copies the modeling
+files next to the weights and writes `auto_map` (every head: `LlamaMoEPreTrainedModel.add_auto_map`), so a saved
+folder loads with `trust_remote_code=True` where this package is not installed.
+"""
 
+import transformers
+
+from . import modeling_attn_moe, modeling_llama_moe
 from .configuration_attn_moe import AttnMoEConfig
 from .configuration_llama_moe import LlamaMoEConfig
-from .modeling_attn_moe import AttnMoEForCausalLM, AttnMoEModel
-from .modeling_llama_moe import LlamaMoEForCausalLM, LlamaMoEModel
+from .modeling_attn_moe import (
+    AttnMoEForCausalLM,
+    AttnMoEForSequenceClassification,
+    AttnMoEForTokenClassification,
+    AttnMoEModel,
+    AttnMoEPreTrainedModel,
+)
+from .modeling_llama_moe import (
+    LlamaMoEForCausalLM,
+    LlamaMoEForSequenceClassification,
+    LlamaMoEForTokenClassification,
+    LlamaMoEModel,
+    LlamaMoEPreTrainedModel,
+)
 
-AutoConfig.register(LlamaMoEConfig.model_type, LlamaMoEConfig, exist_ok=True)
-AutoModel.register(LlamaMoEConfig, LlamaMoEModel, exist_ok=True)
-AutoModelForCausalLM.register(LlamaMoEConfig, LlamaMoEForCausalLM, exist_ok=True)
-AutoConfig.register(AttnMoEConfig.model_type, AttnMoEConfig, exist_ok=True)
-AutoModel.register(AttnMoEConfig, AttnMoEModel, exist_ok=True)
-AutoModelForCausalLM.register(AttnMoEConfig, AttnMoEForCausalLM, exist_ok=True)
+# config class -> the family's pretrained base class (whose `auto_heads` name its heads) and module
+MODEL_FAMILIES = {
+    LlamaMoEConfig: (LlamaMoEPreTrainedModel, modeling_llama_moe),
+    AttnMoEConfig: (AttnMoEPreTrainedModel, modeling_attn_moe),
+}
 
-# save_pretrained copies the modeling files next to the weights and writes `auto_map`, so a saved folder loads with
-# trust_remote_code=True where this package is not installed.
-LlamaMoEConfig.register_for_auto_class()
-LlamaMoEModel.register_for_auto_class("AutoModel")
-LlamaMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-AttnMoEConfig.register_for_auto_class()
-AttnMoEModel.register_for_auto_class("AutoModel")
-AttnMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for _config_class, (_base, _module) in MODEL_FAMILIES.items():
+    transformers.AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
+    _config_class.register_for_auto_class()
+    for _auto_name, _class_name in _base.auto_heads.items():
+        _auto_class, _model_class = getattr(transformers, _auto_name), getattr(_module, _class_name)
+        _auto_class.register(_config_class, _model_class, exist_ok=True)
+        _model_class.register_for_auto_class(_auto_name)
 
 __all__ = [
+    "MODEL_FAMILIES",
     "AttnMoEConfig",
     "AttnMoEForCausalLM",
+    "AttnMoEForSequenceClassification",
+    "AttnMoEForTokenClassification",
     "AttnMoEModel",
     "LlamaMoEConfig",
     "LlamaMoEForCausalLM",
+    "LlamaMoEForSequenceClassification",
+    "LlamaMoEForTokenClassification",
     "LlamaMoEModel",
 ]

@@ -111,7 +111,9 @@ class AttnMoEConfig(LlamaMoEConfig):
         num_heads, num_kv_heads = self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads
         num_experts, top_k = self.num_attention_experts, self.num_attention_experts_per_tok
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}.")
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
+            )
         granularity = self.attention_expert_granularity
         if granularity not in ATTENTION_EXPERT_GRANULARITIES:
             raise ValueError(
@@ -156,6 +158,11 @@ class AttnMoEConfig(LlamaMoEConfig):
             raise ValueError(f"attention_moe_layers {bad_layers} are outside 0..{self.num_hidden_layers - 1}.")
         if len(set(layers)) != len(layers):
             raise ValueError(f"attention_moe_layers has duplicates: {layers}.")
+
+    @property
+    def num_router_layers(self) -> int:
+        """Router modules in the model (MLP and attention): the per-router z-loss is averaged over them."""
+        return max(1, len(self.moe_layers) + len(self.attention_moe_layers))
 
     @property
     def heads_per_attention_expert(self) -> int:

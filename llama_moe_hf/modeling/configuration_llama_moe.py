@@ -44,7 +44,8 @@ class LlamaMoEConfig(LlamaConfig):
             the dense FFN with the unselected experts' activations replaced by their means; with every expert
             selected it adds exactly zero. Off: no parameter and no cost.
         router_aux_loss_coef (`float`, defaults to 0.01): weight of the load-balancing loss.
-        router_z_loss_coef (`float`, defaults to 0.0): weight of the router z-loss (ST-MoE).
+        router_z_loss_coef (`float`, defaults to 0.0): weight of the router z-loss (ST-MoE), averaged over the routers;
+            attached to the autograd graph in training, so it trains under any trainer (docs/modeling.md).
         output_router_logits (`bool`, defaults to False): return router logits and the auxiliary loss.
         moe_layers (`list[int]`, *optional*): decoder layers that are MoE; the others keep a dense LLaMA MLP.
             Defaults to every layer.
@@ -52,12 +53,32 @@ class LlamaMoEConfig(LlamaConfig):
     """
 
     model_type = "llama_moe"
-    # The dense TP plan of LlamaConfig names mlp.gate_proj etc., which MoE layers do not have.
+    # Tensor and expert parallelism as in Mixtral / Qwen2-MoE; `mlp.gate_proj` etc. are the dense layers outside
+    # `moe_layers`. Routers and the compensation table stay replicated.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
     }
 
     num_experts: int = 8
@@ -124,6 +145,11 @@ class LlamaMoEConfig(LlamaConfig):
             raise ValueError(f"moe_layers has duplicates: {self.moe_layers}.")
         if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
             raise ValueError("router_aux_loss_coef and router_z_loss_coef must be >= 0.")
+
+    @property
+    def num_router_layers(self) -> int:
+        """Router modules in the model: the per-router z-loss is averaged over them."""
+        return max(1, len(self.moe_layers))
 
     def layer_score_scale(self, layer_idx: int) -> float:
         """The expert output scale of decoder layer `layer_idx`."""

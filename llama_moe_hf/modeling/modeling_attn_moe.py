@@ -15,7 +15,11 @@ before `o_proj`; docs/attn_moe.md says which compute this saves.
     AttnMoEAttention     LlamaAttention + router `gate`; weights each head's output by its expert's routing weight
     AttnMoEDecoderLayer  LlamaMoE decoder layer (dense or MoE MLP) with AttnMoE attention in `attention_moe_layers`
     AttnMoEModel         LlamaMoE backbone that also reports the attention routers' logits
-    AttnMoEForCausalLM   causal LM; the aux loss covers the attention and the MLP routers
+    heads                AttnMoEForCausalLM, AttnMoEForSequenceClassification, AttnMoEForTokenClassification
+
+Router losses follow LlamaMoE's rule: `router_logits` (the MLP routers, or the attention routers when the MLP is
+dense) give the standard balance term that the head or TRL adds; the attention routers' balance loss (when they are
+not in `router_logits`) and every router's z-loss are attached to the graph in training.
 
 This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and the other
 files of this folder.
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
@@ -39,15 +44,21 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_attn_moe import AttnMoEConfig
 from .modeling_llama_moe import (
+    ROUTER_CLASSES,
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
+    LlamaMoEForSequenceClassification,
+    LlamaMoEForTokenClassification,
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
     LlamaMoERouter,
+    attach_router_loss,
+    router_z_loss_func,
 )
 
 
@@ -66,9 +77,12 @@ class AttnMoEModelOutputWithPast(MoeModelOutputWithPast):
 class AttnMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     r"""
     attention_router_logits (`tuple(torch.Tensor)`): per attention-MoE layer `[tokens, num_attention_experts]`.
+    attention_aux_loss (`torch.Tensor`): the attention routers' balance loss when the MLP is an MoE too (then it is
+        not part of `aux_loss`; training attaches it to the graph).
     """
 
     attention_router_logits: tuple[torch.Tensor, ...] | None = None
+    attention_aux_loss: torch.Tensor | None = None
 
 
 class AttnMoEAttention(LlamaAttention):
@@ -84,21 +98,10 @@ class AttnMoEAttention(LlamaAttention):
         self.num_experts = config.num_attention_experts
         self.heads_per_expert = config.heads_per_attention_expert
         self.score_scale_factor = config.layer_attention_score_scale(layer_idx)
-        self.gate = LlamaMoERouter(
-            config,
-            num_experts=config.num_attention_experts,
-            top_k=config.num_attention_experts_per_tok,
-            router_type=config.attention_router_type,
+        self.z_loss_weight = config.router_z_loss_coef / config.num_router_layers
+        self.gate = ROUTER_CLASSES[config.attention_router_type](
+            config, num_experts=config.num_attention_experts, top_k=config.num_attention_experts_per_tok
         )
-
-    def head_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routing weight of every query head for every token, `[tokens, heads]`: scale * w_e on the heads of each
-        selected expert e, 0 elsewhere."""
-        _, top_k_weights, top_k_index = self.gate(hidden_states)  # [T, k]
-        num_tokens = top_k_index.shape[0]
-        expert_weights = top_k_weights.new_zeros(num_tokens, self.num_experts)
-        expert_weights = expert_weights.scatter(1, top_k_index, top_k_weights * self.score_scale_factor)  # [T, E]
-        return expert_weights.repeat_interleave(self.heads_per_expert, dim=1)  # [T, heads]
 
     def forward(
         self,
@@ -108,12 +111,36 @@ class AttnMoEAttention(LlamaAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._can_gather(kwargs):
-            return self._forward_gathered(hidden_states, position_embeddings, attention_mask, past_key_values), None
+        router_logits, top_k_weights, top_k_index = self.gate(hidden_states)  # [T, E], [T, k], [T, k]
+        top_k_weights = top_k_weights * self.score_scale_factor
+        if self._can_gather(kwargs, past_key_values):
+            attn_weights = None
+            attn_output = self._forward_gathered(
+                hidden_states, position_embeddings, attention_mask, past_key_values, top_k_weights, top_k_index
+            )
+        else:
+            attn_output, attn_weights = self._forward_masked(
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                past_key_values,
+                top_k_weights,
+                top_k_index,
+                **kwargs,
+            )
+        if self.z_loss_weight:
+            attn_output = attach_router_loss(
+                self, attn_output, self.z_loss_weight * router_z_loss_func((router_logits,))
+            )
+        return attn_output, attn_weights
+
+    def _forward_masked(
+        self, hidden_states, position_embeddings, attention_mask, past_key_values, top_k_weights, top_k_index, **kwargs
+    ):
+        """LlamaAttention's computation, with each head's output weighted by its expert's weight before o_proj."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-
-        # LlamaAttention's computation, unchanged up to o_proj: K/V for every token keep the standard cache.
+        # K/V for every token keep the standard cache.
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -139,15 +166,18 @@ class AttnMoEAttention(LlamaAttention):
         )  # attn_output: [B, S, heads, head_dim]
 
         # Weighting each head before o_proj == sum over experts of w_e * (their heads through their o_proj columns).
-        head_weights = self.head_weights(hidden_states).view(*input_shape, -1, 1)  # [B, S, heads, 1]
-        attn_output = attn_output * head_weights.to(attn_output.dtype)
+        expert_weights = top_k_weights.new_zeros(top_k_index.shape[0], self.num_experts)
+        expert_weights = expert_weights.scatter(1, top_k_index, top_k_weights)  # [T, E]
+        head_weights = expert_weights.repeat_interleave(self.heads_per_expert, dim=1)  # [T, heads]
+        attn_output = attn_output * head_weights.view(*input_shape, -1, 1).to(attn_output.dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
+        return self.o_proj(attn_output), attn_weights
 
-    def _can_gather(self, kwargs) -> bool:
-        # The gathered path slices the projection weights and calls sdpa itself, so wrapped projections (LoRA,
-        # quantized), other kernels, attention dropout and returned attention weights use the masked path.
+    def _can_gather(self, kwargs, past_key_values) -> bool:
+        # The gathered path slices the projection weights, calls sdpa itself and builds its own causal mask for the
+        # keys it holds, so wrapped projections (LoRA, quantized), other kernels, attention dropout, returned
+        # attention weights, fixed-size (static) caches and torch.compile (routing-dependent shapes) use the masked
+        # path.
         return (
             self.config.attention_experts_implementation == "gathered"
             and self.config._attn_implementation in ("sdpa", "eager")
@@ -155,6 +185,8 @@ class AttnMoEAttention(LlamaAttention):
             and type(self.o_proj) is nn.Linear
             and not (self.training and self.attention_dropout > 0)
             and not kwargs.get("output_attentions")
+            and not (past_key_values is not None and past_key_values.is_compileable)
+            and not is_torchdynamo_compiling()
         )
 
     def _forward_gathered(
@@ -163,6 +195,8 @@ class AttnMoEAttention(LlamaAttention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,  # [B, 1, S, K] bool or additive, or None (causal, no padding)
         past_key_values: Cache | None,
+        top_k_weights: torch.Tensor,  # [T, k], T = B*S
+        top_k_index: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
         """q_proj, attention and o_proj only for the selected (token, expert) pairs; K/V for every token."""
         batch_size, seq_len, hidden_size = hidden_states.shape
@@ -173,23 +207,10 @@ class AttnMoEAttention(LlamaAttention):
         key_states = key_states * cos[:, None] + rotate_half(key_states) * sin[:, None]
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-        num_keys = key_states.shape[2]
+        attention_mask = self._gathered_mask(attention_mask, batch_size, seq_len, key_states.shape[2], hidden_states)
 
-        if attention_mask is None:  # causal: the query at position t sees the keys up to past + t
-            query_positions = torch.arange(seq_len, device=hidden_states.device) + (num_keys - seq_len)
-            key_positions = torch.arange(num_keys, device=hidden_states.device)
-            attention_mask = (key_positions[None, :] <= query_positions[:, None]).expand(batch_size, 1, -1, -1)
-        attention_mask = attention_mask[..., :num_keys]
-        if attention_mask.dtype == torch.bool:
-            # Additive, so a fully masked row (a padding query) gives finite garbage rather than NaN.
-            min_value = torch.finfo(hidden_states.dtype).min
-            attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype).masked_fill(
-                ~attention_mask, min_value
-            )
-
-        flat_states = hidden_states.reshape(-1, hidden_size)  # [T, H], T = B*S
-        _, top_k_weights, top_k_index = self.gate(flat_states)  # [T, k]
-        top_k_weights = (top_k_weights * self.score_scale_factor).to(hidden_states.dtype)
+        flat_states = hidden_states.reshape(-1, hidden_size)  # [T, H]
+        top_k_weights = top_k_weights.to(hidden_states.dtype)
         output = torch.zeros_like(flat_states)
         width = self.heads_per_expert * self.head_dim
         kv_heads = max(1, self.heads_per_expert // self.num_key_value_groups)  # KV heads one expert reads
@@ -220,6 +241,21 @@ class AttnMoEAttention(LlamaAttention):
             output = output + self.o_proj.bias
         return output.view(batch_size, seq_len, hidden_size)
 
+    @staticmethod
+    def _gathered_mask(attention_mask, batch_size, seq_len, num_keys, hidden_states) -> torch.Tensor:
+        """`[B, 1, S, K]` additive mask (a fully masked padding query gives finite garbage rather than NaN)."""
+        if attention_mask is None:  # causal: the query at position t sees the keys up to past + t
+            query_positions = torch.arange(seq_len, device=hidden_states.device) + (num_keys - seq_len)
+            key_positions = torch.arange(num_keys, device=hidden_states.device)
+            attention_mask = (key_positions[None, :] <= query_positions[:, None]).expand(batch_size, 1, -1, -1)
+        attention_mask = attention_mask[..., :num_keys]
+        if attention_mask.dtype == torch.bool:
+            min_value = torch.finfo(hidden_states.dtype).min
+            attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype).masked_fill(
+                ~attention_mask, min_value
+            )
+        return attention_mask
+
 
 class AttnMoEDecoderLayer(LlamaMoEDecoderLayer):
     """LlamaMoE decoder layer (dense or MoE MLP by `moe_layers`) with AttnMoE attention in `attention_moe_layers`."""
@@ -234,6 +270,12 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
     config: AttnMoEConfig
     config_class = AttnMoEConfig
     _no_split_modules = ["AttnMoEDecoderLayer"]
+    auto_heads = {
+        "AutoModel": "AttnMoEModel",
+        "AutoModelForCausalLM": "AttnMoEForCausalLM",
+        "AutoModelForSequenceClassification": "AttnMoEForSequenceClassification",
+        "AutoModelForTokenClassification": "AttnMoEForTokenClassification",
+    }
     # Both router kinds are LlamaMoERouter; where they sit tells them apart.
     _can_record_outputs = {
         "router_logits": OutputRecorder(LlamaMoERouter, index=0, layer_name="mlp.gate"),
@@ -249,52 +291,90 @@ class AttnMoEModel(AttnMoEPreTrainedModel, LlamaMoEModel):
     decoder_layer_class = AttnMoEDecoderLayer
 
     @can_return_tuple
-    def forward(self, *args, output_router_logits: bool | None = None, **kwargs) -> AttnMoEModelOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnMoEModelOutputWithPast:
         r"""
-        Same arguments as `LlamaMoEModel.forward`. With `output_router_logits`, `router_logits` holds the routers
-        with `config.num_experts` experts (the MLP routers, or the attention routers when the MLP is dense) and
-        `attention_router_logits` the attention routers.
+        With `output_router_logits`, `router_logits` holds the routers with `config.num_experts` experts (the MLP
+        routers, or the attention routers when the MLP is dense) and `attention_router_logits` the attention routers.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
+        # With an MLP MoE the attention routers are not in `router_logits`: their balance loss goes into the graph.
+        balance_in_graph = (
+            self.training
+            and torch.is_grad_enabled()
+            and bool(self.config.moe_layers)
+            and self.config.router_aux_loss_coef > 0
+        )
         outputs = super().forward(
-            *args,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
             output_router_logits=output_router_logits,
-            output_attention_router_logits=output_router_logits,
+            output_attention_router_logits=output_router_logits or balance_in_graph,
             return_dict=True,
             **kwargs,
         )
         outputs = AttnMoEModelOutputWithPast(**outputs)
+        if balance_in_graph and outputs.attention_router_logits:
+            loss = self.config.router_aux_loss_coef * self.attention_balance_loss(outputs, attention_mask)
+            outputs.last_hidden_state = attach_router_loss(self, outputs.last_hidden_state, loss)
         if output_router_logits and not self.config.moe_layers:
             outputs.router_logits = outputs.attention_router_logits
+        if not output_router_logits:
+            outputs.attention_router_logits = None
         return outputs
 
-
-class AttnMoEForCausalLM(AttnMoEPreTrainedModel, LlamaMoEForCausalLM):
-    def __init__(self, config: AttnMoEConfig):
-        AttnMoEPreTrainedModel.__init__(self, config)  # not LlamaMoEForCausalLM.__init__ (LlamaMoE backbone)
-        self.model = AttnMoEModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def router_losses(self, outputs, attention_mask):
-        """The attention routers' load-balancing loss plus the MLP routers', each with its own expert count and top-k;
-        the z-loss runs over all routers."""
+    def attention_balance_loss(self, outputs, attention_mask) -> torch.Tensor:
+        """The attention routers' Switch load-balancing loss (unweighted)."""
         config = self.config
-        groups = [(outputs.attention_router_logits, config.num_attention_experts, config.num_attention_experts_per_tok)]
-        if config.moe_layers:  # else `router_logits` are the attention routers again
-            groups.append((outputs.router_logits, config.num_experts, config.num_experts_per_tok))
-        groups = [(logits, e, k) for logits, e, k in groups if logits]
-        if not groups:
-            return None, ()
-        aux_loss = sum(load_balancing_loss_func(logits, e, k, attention_mask) for logits, e, k in groups)
-        return aux_loss, tuple(t for logits, _, _ in groups for t in logits)
-
-    def causal_lm_output(self, outputs, **fields) -> AttnMoECausalLMOutputWithPast:
-        return AttnMoECausalLMOutputWithPast(
-            **super().causal_lm_output(outputs, **fields), attention_router_logits=outputs.attention_router_logits
+        return load_balancing_loss_func(
+            outputs.attention_router_logits,
+            config.num_attention_experts,
+            config.num_attention_experts_per_tok,
+            attention_mask,
         )
 
 
-__all__ = ["AttnMoEAttention", "AttnMoEForCausalLM", "AttnMoEModel", "AttnMoEPreTrainedModel"]
+class AttnMoEForCausalLM(AttnMoEPreTrainedModel, LlamaMoEForCausalLM, GenerationMixin):
+    backbone_class = AttnMoEModel
+
+    def causal_lm_output(self, outputs, attention_mask, **fields) -> AttnMoECausalLMOutputWithPast:
+        attention_aux_loss = None
+        if outputs.attention_router_logits and self.config.moe_layers:
+            attention_aux_loss = self.model.attention_balance_loss(outputs, attention_mask)
+        return AttnMoECausalLMOutputWithPast(
+            **super().causal_lm_output(outputs, attention_mask, **fields),
+            attention_router_logits=outputs.attention_router_logits,
+            attention_aux_loss=attention_aux_loss,
+        )
+
+
+class AttnMoEForSequenceClassification(AttnMoEPreTrainedModel, LlamaMoEForSequenceClassification):
+    backbone_class = AttnMoEModel
+
+
+class AttnMoEForTokenClassification(AttnMoEPreTrainedModel, LlamaMoEForTokenClassification):
+    backbone_class = AttnMoEModel
+
+
+__all__ = [
+    "AttnMoEAttention",
+    "AttnMoEForCausalLM",
+    "AttnMoEForSequenceClassification",
+    "AttnMoEForTokenClassification",
+    "AttnMoEModel",
+    "AttnMoEPreTrainedModel",
+]

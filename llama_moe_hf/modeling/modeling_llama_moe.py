@@ -1,11 +1,21 @@
-"""LlamaMoE: LLaMA with Mixture-of-Experts feed-forward blocks (LLaMA-MoE v1/v2, sparse upcycling).
+"""LlamaMoE: LLaMA with Mixture-of-Experts feed-forward blocks (LLaMA-MoE v1/v2, sparse upcycling, G-MoEfication).
 
 Attention, norms and rotary embeddings are transformers' own LLaMA modules; only the MoE parts are new:
 
-    LlamaMoERouter        hidden states -> (router_logits, top-k weights, top-k expert ids), float32 math
-    LlamaMoEExperts       fused expert weights + the grouped expert compute (`@use_experts_implementation`)
-    LlamaMoESparseMoeBlock router + experts (+ always-on shared experts), LLaMA-MoE score scaling
-    LlamaMoEDecoderLayer  LLaMA decoder layer whose MLP is dense or MoE (`config.moe_layers`)
+    routers   one class per gate type (`config.router_type`, `ROUTER_CLASSES`): hidden states [T, H] ->
+              (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32
+    experts   LlamaMoEExperts: fused weights; `forward` is the plain reference loop (`experts_implementation="eager"`);
+              `llama_moe_cpu` (fast CPU dispatch) and `llama_moe_auto` (the default, per device) are registered with
+              transformers' experts implementations next to its `grouped_mm` and `batched_mm`
+    block     LlamaMoESparseMoeBlock: router + experts (+ shared experts, + G-MoEfication compensation)
+    layer     LlamaMoEDecoderLayer: LLaMA decoder layer whose MLP is dense or MoE (`config.moe_layers`)
+    model     LlamaMoEModel
+    heads     LlamaMoEForCausalLM, LlamaMoEForSequenceClassification, LlamaMoEForTokenClassification
+
+Router losses. The Switch load-balancing loss over `router_logits` is the standard term: the causal-LM head adds
+`router_aux_loss_coef * aux_loss` to `loss`, and TRL's trainers compute the same term themselves. Every other router
+loss (the z-loss, and the balance loss of routers outside `router_logits`) is attached to the autograd graph in
+training (`AddAuxiliaryLoss`), so it reaches the gradients whichever trainer or head computes the loss.
 
 This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and
 `.configuration_llama_moe`.
@@ -18,82 +28,160 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_llama_moe import LlamaMoEConfig
 
-# Default expert compute: while no expert gets more than this many (token, expert) rows, one batched matmul over
-# zero-padded per-expert rows beats a loop of small per-expert matmuls (16 experts x 256 neurons, top-4, on CPU:
-# inputs of up to ~400 tokens; docs/benchmarks.md).
+# `llama_moe_cpu`: while no expert gets more than this many (token, expert) rows, one batched matmul over zero-padded
+# per-expert rows beats a loop of small per-expert matmuls (16 experts x 256 neurons, top-4, on CPU: inputs of up to
+# ~400 tokens; docs/benchmarks.md).
 BMM_MAX_ROWS_PER_EXPERT = 128
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Router losses
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.Tensor | int:
-    """ST-MoE router z-loss: mean over tokens and layers of logsumexp(logits)^2 (keeps router logits small)."""
+    """ST-MoE router z-loss: mean over tokens and routers of logsumexp(logits)^2 (keeps router logits small)."""
     if not router_logits:
         return 0
     return torch.stack([torch.logsumexp(logits.float(), dim=-1).square().mean() for logits in router_logits]).mean()
 
 
-class LlamaMoERouter(nn.Module):
-    """Token-choice top-k router. Returns `(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`.
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Identity on `hidden_states` whose backward also sends gradient 1 into `loss` (DeepSeek-V2's design): a loss
+    attached this way trains its parameters whatever computes the final loss (our head, TRL's fused head, ...)."""
 
-    `router_type="selector"` is MoEfication's expert selector: scores = `Linear(E, E)(tanh(Linear(H, E)(x)))`, the
-    top-k scores win, and every winner gets weight 1 (straight-through: gradients flow through sigmoid(score)).
+    @staticmethod
+    def forward(ctx, hidden_states: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype, ctx.loss_needs_grad = loss.dtype, loss.requires_grad
+        return hidden_states.view_as(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_loss = torch.ones((), dtype=ctx.loss_dtype, device=grad_output.device) if ctx.loss_needs_grad else None
+        return grad_output, grad_loss
+
+
+def attach_router_loss(module: nn.Module, hidden_states: torch.Tensor, loss: torch.Tensor | float) -> torch.Tensor:
+    """`hidden_states`, with `loss` attached to the graph when `module` trains with gradients (else unchanged)."""
+    if not (module.training and torch.is_grad_enabled() and torch.is_tensor(loss) and loss.requires_grad):
+        return hidden_states
+    return AddAuxiliaryLoss.apply(hidden_states, loss.to(hidden_states.device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routers: one class per gate type
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LlamaMoERouter(nn.Module):
+    """Base of the token-choice routers: `weight [E, H]`, logits in float32. Subclasses pick the experts.
+
+    `num_experts` / `top_k` override the config's when something other than the MLP experts is routed (AttnMoE's
+    attention-head experts).
     """
 
-    def __init__(
-        self,
-        config: LlamaMoEConfig,
-        num_experts: int | None = None,
-        top_k: int | None = None,
-        router_type: str | None = None,
-    ):
-        # The overrides route something other than the MLP experts (AttnMoE's attention-head experts).
+    def __init__(self, config: LlamaMoEConfig, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
-        self.router_type = router_type or config.router_type
-        self.top_k = top_k or config.num_experts_per_tok
         self.num_experts = num_experts or config.num_experts
+        self.top_k = top_k or config.num_experts_per_tok
         self.hidden_dim = config.hidden_size
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
-        if self.router_type == "noisy_top_k":
-            # Learned per-expert noise scale, softplus(x W_noise) (Shazeer et al., 2017).
-            self.noise_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
-        if self.router_type == "selector":
-            self.bias = nn.Parameter(torch.empty(self.num_experts))
-            self.selector = nn.Linear(self.num_experts, self.num_experts)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[T, E]` float32 router logits of `[..., H]` hidden states."""
+        return F.linear(hidden_states.reshape(-1, self.hidden_dim).float(), self.weight.float())
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
-        if self.router_type == "selector":
-            hidden_states = torch.tanh(F.linear(hidden_states, self.weight.float(), self.bias.float()))  # [T, E]
-            router_logits = F.linear(hidden_states, self.selector.weight.float(), self.selector.bias.float())
-            top_k_index = torch.topk(router_logits, self.top_k, dim=-1).indices  # [T, k]
-            probs = torch.sigmoid(router_logits.gather(1, top_k_index))
-            return router_logits, probs - probs.detach() + 1, top_k_index  # weights: exactly 1 forward
-        router_logits = F.linear(hidden_states, self.weight.float())  # [T, E]
-        if self.router_type == "noisy_top_k" and self.training:
-            noise_std = F.softplus(F.linear(hidden_states, self.noise_weight.float()))
-            router_logits = router_logits + torch.randn_like(router_logits) * noise_std
-        router_probs = F.softmax(router_logits, dim=-1)
-        top_k_weights, top_k_index = torch.topk(router_probs, self.top_k, dim=-1)  # [T, k]
-        if self.router_type != "switch":
-            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        raise NotImplementedError
+
+
+class LlamaMoETopKRouter(LlamaMoERouter):
+    """Softmax over all experts, keep the top-k, renormalise them to sum to 1 (Mixtral, LLaMA-MoE)."""
+
+    def forward(self, hidden_states):
+        router_logits = self.logits(hidden_states)  # [T, E]
+        top_k_logits, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)  # [T, k]
+        # The renormalised top-k of a softmax is the softmax of the top-k logits: one small softmax instead of two.
+        return router_logits, F.softmax(top_k_logits, dim=-1), top_k_index
+
+
+class LlamaMoESwitchRouter(LlamaMoERouter):
+    """Softmax over all experts, keep the top-k probabilities as they are (the Switch Transformer gate for k = 1)."""
+
+    def forward(self, hidden_states):
+        router_logits = self.logits(hidden_states)  # [T, E]
+        top_k_weights, top_k_index = torch.topk(F.softmax(router_logits, dim=-1), self.top_k, dim=-1)  # [T, k]
         return router_logits, top_k_weights, top_k_index
+
+
+class LlamaMoENoisyTopKRouter(LlamaMoETopKRouter):
+    """`top_k` on `x W + N(0, 1) * softplus(x W_noise)`; the noise only in training (Shazeer et al., 2017)."""
+
+    def __init__(self, config, num_experts=None, top_k=None):
+        super().__init__(config, num_experts, top_k)
+        self.noise_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+
+    def logits(self, hidden_states):
+        router_logits = super().logits(hidden_states)
+        if not self.training:
+            return router_logits
+        noise_std = F.softplus(F.linear(hidden_states.reshape(-1, self.hidden_dim).float(), self.noise_weight.float()))
+        return router_logits + torch.randn_like(router_logits) * noise_std
+
+
+class LlamaMoESelectorRouter(LlamaMoERouter):
+    """MoEfication's expert selector: scores = `Linear(E, E)(tanh(Linear(H, E)(x)))` (`weight`, `bias`,
+    `selector.{weight,bias}`); the top-k scores win and every winner gets weight exactly 1 (G-MoEfication), with a
+    straight-through gradient through `sigmoid(score)` so that the selector keeps training."""
+
+    def __init__(self, config, num_experts=None, top_k=None):
+        super().__init__(config, num_experts, top_k)
+        self.bias = nn.Parameter(torch.empty(self.num_experts))
+        self.selector = nn.Linear(self.num_experts, self.num_experts)
+
+    def logits(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
+        hidden_states = torch.tanh(F.linear(hidden_states, self.weight.float(), self.bias.float()))  # [T, E]
+        return F.linear(hidden_states, self.selector.weight.float(), self.selector.bias.float())
+
+    def forward(self, hidden_states):
+        router_logits = self.logits(hidden_states)  # [T, E]
+        top_k_index = torch.topk(router_logits, self.top_k, dim=-1).indices  # [T, k]
+        probs = torch.sigmoid(router_logits.gather(1, top_k_index))
+        return router_logits, probs - probs.detach() + 1, top_k_index
+
+
+# `router_type` -> router class. A new gate is one class here plus its name in configuration_llama_moe.ROUTER_TYPES.
+ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
+    "top_k": LlamaMoETopKRouter,
+    "switch": LlamaMoESwitchRouter,
+    "noisy_top_k": LlamaMoENoisyTopKRouter,
+    "selector": LlamaMoESelectorRouter,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Experts
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @use_experts_implementation
@@ -109,7 +197,7 @@ class LlamaMoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def _expert(self, states: torch.Tensor, expert_idx: int) -> torch.Tensor:
+    def expert(self, states: torch.Tensor, expert_idx: int) -> torch.Tensor:
         """SwiGLU of one expert on `[n, H]` rows, through views of the fused weights (no copy)."""
         gate, up = F.linear(states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)  # [n, m] each
         return F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])  # [n, H]
@@ -120,53 +208,95 @@ class LlamaMoEExperts(nn.Module):
         top_k_index: torch.Tensor,  # [T, k]
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
-        weights = top_k_weights.to(hidden_states.dtype)
-        if top_k_index.numel() <= self.num_experts:
-            # Few (token, expert) pairs, as in decoding: run them one by one. No sort, scatter or zero-filled output,
-            # whose fixed cost would dominate here; each selected expert's weights are still read only once.
-            rows = [
-                weights[token_idx] @ torch.cat([self._expert(hidden_states[token_idx, None], e) for e in expert_ids])
-                for token_idx, expert_ids in enumerate(top_k_index.tolist())
-            ]  # T x [H]
-            return torch.stack(rows)
-
-        # Group the S = T*k (token, expert) pairs by expert with one argsort and a single host sync (the counts).
-        top_k = top_k_index.shape[-1]
-        flat_index = top_k_index.reshape(-1)  # [S]
-        sorted_experts, order = flat_index.sort()  # [S] each
-        counts = torch.bincount(flat_index, minlength=self.num_experts)  # [E]
-        counts_list = counts.tolist()
-        token_index = order // top_k  # [S]
-        sorted_weights = weights.reshape(-1, 1).index_select(0, order)  # [S, 1]
-        output = torch.zeros_like(hidden_states)  # [T, H]
-
-        capacity = max(counts_list)
-        if capacity <= BMM_MAX_ROWS_PER_EXPERT:
-            # Prompts: expert e's rows fill rows [e * C, (e + 1) * C) of a padded layout, C = the largest count, and
-            # each projection is one batched matmul over all experts: a loop of small per-expert matmuls runs far
-            # below GEMM speed. Padding rows repeat token 0 with weight 0: computed, but they add nothing.
-            first_of_expert = counts.cumsum(0) - counts  # [E]
-            slot = torch.arange(order.numel(), device=order.device) - first_of_expert[sorted_experts]  # [S]
-            padded_rows = sorted_experts * capacity + slot  # [S]
-            row_token = token_index.new_zeros(self.num_experts * capacity).index_copy_(0, padded_rows, token_index)
-            row_weight = weights.new_zeros(self.num_experts * capacity, 1).index_copy(0, padded_rows, sorted_weights)
-            padded = hidden_states.index_select(0, row_token).view(self.num_experts, capacity, -1)  # [E, C, H]
-            gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, m] each
-            expert_output = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
-            return output.index_add_(0, row_token, expert_output.view(row_token.numel(), -1) * row_weight)
-
-        # Long inputs: each expert gathers only its own rows, so the working set stays cache-sized (one gather of all
-        # S rows is slower on CPU), and adds its weighted output back in place.
-        start = 0
-        for expert_idx, count in enumerate(counts_list):
-            if count == 0:
-                continue
-            end = start + count
-            tokens = token_index[start:end]  # [n]
-            expert_output = self._expert(hidden_states.index_select(0, tokens), expert_idx)  # [n, H]
-            output.index_add_(0, tokens, expert_output * sorted_weights[start:end])
-            start = end
+        """Plain reference (`experts_implementation="eager"`): each expert runs on the tokens routed to it."""
+        output = torch.zeros_like(hidden_states)
+        for expert_idx in range(self.num_experts):
+            token_idx, slot = torch.where(top_k_index == expert_idx)  # [n] each
+            if token_idx.numel():
+                expert_output = self.expert(hidden_states[token_idx], expert_idx)
+                output.index_add_(0, token_idx, expert_output * top_k_weights[token_idx, slot, None].to(output.dtype))
         return output
+
+
+def _expert_vector(experts: LlamaMoEExperts, state: torch.Tensor, expert_idx: int) -> torch.Tensor:
+    """`LlamaMoEExperts.expert` for one `[H]` row."""
+    gate_up = torch.mv(experts.gate_up_proj[expert_idx], state)  # [2m]
+    gate, up = gate_up[: experts.intermediate_dim], gate_up[experts.intermediate_dim :]
+    return torch.mv(experts.down_proj[expert_idx], experts.act_fn(gate) * up)  # [H]
+
+
+def llama_moe_cpu_experts_forward(
+    self: LlamaMoEExperts,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """`experts_implementation="llama_moe_cpu"`: the fastest of three dispatches for the number of rows.
+
+    - decoding (`T * k <= E`): the selected experts run one by one on views of the fused weights; no sort or scatter;
+    - prompts (no expert gets more than `BMM_MAX_ROWS_PER_EXPERT` rows): one batched matmul per projection over
+      expert rows zero-padded to the largest count;
+    - long inputs: each expert gathers only its own rows (a cache-sized working set) and adds its output back.
+    Device-agnostic and autograd-friendly; tuned on CPU (docs/benchmarks.md). The scatter is `index_add_`, which
+    `torch.use_deterministic_algorithms(True)` makes deterministic on CUDA as well.
+    """
+    weights = top_k_weights.to(hidden_states.dtype)
+    if top_k_index.numel() <= self.num_experts:
+        # Matrix-vector products on views of the selected experts' weights: the fewest ops per expert, which is what
+        # a decoding step costs here (the weights are read once either way).
+        rows = [
+            torch.mv(
+                torch.stack([_expert_vector(self, hidden_states[token_idx], e) for e in ids], 1), weights[token_idx]
+            )
+            for token_idx, ids in enumerate(top_k_index.tolist())
+        ]  # T x [H]
+        return torch.stack(rows)
+
+    # Group the S = T*k (token, expert) pairs by expert with one sort and a single host sync (the counts).
+    top_k = top_k_index.shape[-1]
+    sorted_experts, order = top_k_index.reshape(-1).sort()  # [S] each
+    counts = torch.bincount(sorted_experts, minlength=self.num_experts)  # [E]
+    counts_list = counts.tolist()
+    token_index = order // top_k  # [S]
+    sorted_weights = weights.reshape(-1, 1).index_select(0, order)  # [S, 1]
+    output = torch.zeros_like(hidden_states)  # [T, H]
+
+    capacity = max(counts_list)
+    if capacity <= BMM_MAX_ROWS_PER_EXPERT:
+        # Expert e's rows fill rows [e * C, (e + 1) * C) of a padded layout, C = the largest count. Padding rows
+        # repeat token 0 with weight 0: computed, but they add nothing.
+        first_of_expert = counts.cumsum(0) - counts  # [E]
+        slot = torch.arange(order.numel(), device=order.device) - first_of_expert[sorted_experts]  # [S]
+        padded_rows = sorted_experts * capacity + slot  # [S]
+        row_token = token_index.new_zeros(self.num_experts * capacity).index_copy_(0, padded_rows, token_index)
+        row_weight = weights.new_zeros(self.num_experts * capacity, 1).index_copy(0, padded_rows, sorted_weights)
+        padded = hidden_states.index_select(0, row_token).view(self.num_experts, capacity, -1)  # [E, C, H]
+        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, m] each
+        expert_output = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
+        return output.index_add_(0, row_token, expert_output.view(row_token.numel(), -1) * row_weight)
+
+    start = 0
+    for expert_idx, count in enumerate(counts_list):
+        if count:
+            tokens = token_index[start : start + count]  # [n]
+            expert_output = self.expert(hidden_states.index_select(0, tokens), expert_idx)  # [n, H]
+            output.index_add_(0, tokens, expert_output * sorted_weights[start : start + count])
+            start += count
+    return output
+
+
+def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """`experts_implementation="llama_moe_auto"` (the default): `llama_moe_cpu` on CPU; elsewhere, under
+    `torch.compile` (which needs shapes that do not depend on the routing) and with expert parallelism (whose
+    dispatch marks the tokens of other ranks' experts), transformers' `grouped_mm`, the default of its own MoE
+    families."""
+    if hidden_states.device.type == "cpu" and not (is_torchdynamo_compiling() or self._is_expert_parallel):
+        return llama_moe_cpu_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+ALL_EXPERTS_FUNCTIONS.register("llama_moe_cpu", llama_moe_cpu_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register("llama_moe_auto", llama_moe_auto_experts_forward)
 
 
 class LlamaMoESharedExperts(nn.Module):
@@ -184,6 +314,11 @@ class LlamaMoESharedExperts(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Block, layer, model
+# ---------------------------------------------------------------------------------------------------------------
+
+
 class LlamaMoESparseMoeBlock(nn.Module):
     """output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x)  [+ shared_experts(x)]
     [+ sum_{e not in top-k} compensation_e  (G-MoEfication, `config.moe_compensation`)]"""
@@ -191,7 +326,8 @@ class LlamaMoESparseMoeBlock(nn.Module):
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
         self.score_scale_factor = config.layer_score_scale(layer_idx)
-        self.gate = LlamaMoERouter(config)
+        self.z_loss_weight = config.router_z_loss_coef / config.num_router_layers
+        self.gate = ROUTER_CLASSES[config.router_type](config)
         self.experts = LlamaMoEExperts(config)
         self.shared_experts = LlamaMoESharedExperts(config) if config.num_shared_experts > 0 else None
         # G-MoEfication representative values: row e stands in for expert e's output when it is not selected.
@@ -202,8 +338,10 @@ class LlamaMoESparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
         flat_states = hidden_states.view(-1, hidden_dim)  # [T, H]
-        _, top_k_weights, top_k_index = self.gate(flat_states)
-        output = self.experts(flat_states, top_k_index, top_k_weights * self.score_scale_factor)
+        router_logits, top_k_weights, top_k_index = self.gate(flat_states)
+        if self.score_scale_factor != 1.0:
+            top_k_weights = top_k_weights * self.score_scale_factor
+        output = self.experts(flat_states, top_k_index, top_k_weights)
         if self.compensation is not None:
             # 0/1 mask of the unselected experts: exactly zero when all are selected. [T, E] @ [E, H] -> [T, H]
             unselected = self.compensation.new_ones(top_k_index.shape[0], self.compensation.shape[0])
@@ -211,6 +349,8 @@ class LlamaMoESparseMoeBlock(nn.Module):
             output = output + (unselected @ self.compensation).to(output.dtype)
         if self.shared_experts is not None:
             output = output + self.shared_experts(flat_states)
+        if self.z_loss_weight:
+            output = attach_router_loss(self, output, self.z_loss_weight * router_z_loss_func((router_logits,)))
         return output.view(batch_size, sequence_length, hidden_dim)
 
 
@@ -262,7 +402,7 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
-    _can_compile_fullgraph = False  # the expert loop has data-dependent shapes
+    _can_compile_fullgraph = True  # under torch.compile the default experts implementation is grouped_mm
     _supports_attention_backend = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(LlamaMoERouter, index=0),
@@ -270,10 +410,28 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
         "attentions": LlamaAttention,
     }
 
+    # Auto class -> head class of this family (in this file): registered with transformers' Auto classes, and
+    # written into `auto_map` on save so that every head loads from a saved folder as remote code.
+    auto_heads = {
+        "AutoModel": "LlamaMoEModel",
+        "AutoModelForCausalLM": "LlamaMoEForCausalLM",
+        "AutoModelForSequenceClassification": "LlamaMoEForSequenceClassification",
+        "AutoModelForTokenClassification": "LlamaMoEForTokenClassification",
+    }
+
+    def add_auto_map(self) -> None:
+        """Name every head of the family in `config.auto_map` (transformers would name only the saved class)."""
+        module = type(self).__module__.rsplit(".", 1)[-1]
+        heads = {auto: f"{module}.{name}" for auto, name in self.auto_heads.items()}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **heads}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.add_auto_map()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # transformers would default to grouped_mm; our eager forward is faster on CPU for decoding and long inputs
-        # and needs no special kernel (docs/benchmarks.md, "MoE layer forward speed").
-        return super().get_correct_experts_implementation(requested_experts or "eager")
+        # transformers would default to grouped_mm everywhere; `llama_moe_auto` keeps it off CPU only.
+        return super().get_correct_experts_implementation(requested_experts or "llama_moe_auto")
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -284,9 +442,9 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, LlamaMoERouter):
             nn.init.normal_(module.weight, mean=0.0, std=std)
-            if hasattr(module, "noise_weight"):
+            if isinstance(module, LlamaMoENoisyTopKRouter):
                 nn.init.zeros_(module.noise_weight)
-            if hasattr(module, "selector"):
+            if isinstance(module, LlamaMoESelectorRouter):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, LlamaMoESparseMoeBlock) and module.compensation is not None:
             nn.init.zeros_(module.compensation)
@@ -354,7 +512,13 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------------------------------
+
+
 class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
+    backbone_class = LlamaMoEModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -362,7 +526,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LlamaMoEConfig):
         super().__init__(config)
-        self.model = LlamaMoEModel(config)
+        self.model = self.backbone_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -382,8 +546,9 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
         r"""
-        `aux_loss` is the (unweighted) load-balancing loss of Switch/Mixtral over the MoE layers; with `labels`,
-        `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
+        `aux_loss` is the (unweighted) Switch load-balancing loss of `router_logits`, as in Mixtral; with `labels`,
+        `loss = lm_loss + router_aux_loss_coef * aux_loss`. The other router losses are attached to the graph in
+        training (see the module docstring), so they are not part of `loss`.
         """
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -404,29 +569,16 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
         aux_loss = None
-        if output_router_logits:
-            aux_loss, z_loss_logits = self.router_losses(outputs, attention_mask)
-            if aux_loss is not None and labels is not None:
+        if output_router_logits and outputs.router_logits:
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-                if self.config.router_z_loss_coef > 0:
-                    z_loss = router_z_loss_func(z_loss_logits)
-                    loss = loss + self.config.router_z_loss_coef * z_loss.to(loss.device)
-        return self.causal_lm_output(outputs, loss=loss, aux_loss=aux_loss, logits=logits)
+        return self.causal_lm_output(outputs, attention_mask, loss=loss, aux_loss=aux_loss, logits=logits)
 
-    def router_losses(
-        self, outputs: MoeModelOutputWithPast, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
-        """(unweighted load-balancing loss, router logits the z-loss runs over) of a backbone's outputs."""
-        if not outputs.router_logits:
-            return None, ()
-        aux_loss = load_balancing_loss_func(
-            outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
-        )
-        return aux_loss, outputs.router_logits
-
-    def causal_lm_output(self, outputs: MoeModelOutputWithPast, **fields) -> MoeCausalLMOutputWithPast:
+    def causal_lm_output(self, outputs: MoeModelOutputWithPast, attention_mask, **fields) -> MoeCausalLMOutputWithPast:
         return MoeCausalLMOutputWithPast(
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
@@ -436,11 +588,40 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         )
 
 
+class LlamaMoEForSequenceClassification(GenericForSequenceClassification, LlamaMoEPreTrainedModel):
+    backbone_class = LlamaMoEModel
+
+    def __init__(self, config: LlamaMoEConfig):
+        # The generic head builds its backbone with AutoModel.from_config, which a checkpoint loaded as remote code
+        # cannot resolve; build the same modules (same keys) directly.
+        LlamaMoEPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = self.backbone_class(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class LlamaMoEForTokenClassification(GenericForTokenClassification, LlamaMoEPreTrainedModel):
+    backbone_class = LlamaMoEModel
+
+    def __init__(self, config: LlamaMoEConfig):
+        LlamaMoEPreTrainedModel.__init__(self, config)  # see LlamaMoEForSequenceClassification
+        self.num_labels = config.num_labels
+        self.model = self.backbone_class(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=True)
+        self.post_init()
+
+
 __all__ = [
+    "ROUTER_CLASSES",
+    "LlamaMoEExperts",
     "LlamaMoEForCausalLM",
+    "LlamaMoEForSequenceClassification",
+    "LlamaMoEForTokenClassification",
     "LlamaMoEModel",
     "LlamaMoEPreTrainedModel",
     "LlamaMoERouter",
-    "LlamaMoEExperts",
     "LlamaMoESparseMoeBlock",
 ]

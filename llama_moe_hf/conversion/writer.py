@@ -1,7 +1,16 @@
-"""Streaming safetensors writer: tensors go to disk shard by shard, named and indexed like `save_pretrained` does."""
+"""Writing a converted checkpoint: a streaming safetensors writer and an atomic output folder.
+
+ShardedWriter   tensors go to disk as they are produced, shard by shard, named and indexed like `save_pretrained`
+atomic_folder   everything is written into a temporary folder that replaces the output only when complete
+"""
 
 import json
 import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,17 +62,25 @@ class ShardedWriter:
             used += size
         self.total_bytes = sum(end - start for shard in shards for start, end in shard.values())
 
-        names = [SAFE_WEIGHTS] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]  # fmt: skip
+        names = (
+            [SAFE_WEIGHTS]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
         self.files = dict(zip(names, shards))
         self._where: dict[str, tuple[Path, int]] = {}  # tensor name -> (file, absolute offset of its bytes)
         for file, shard in self.files.items():
             header = {"__metadata__": {"format": "pt"}}
-            header.update({
-                name: {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(self.planned[name]), "data_offsets": [a, b]}
-                for name, (a, b) in shard.items()
-            })  # fmt: skip
+            header.update(
+                {
+                    name: {
+                        "dtype": _SAFETENSORS_DTYPES[dtype],
+                        "shape": list(self.planned[name]),
+                        "data_offsets": [a, b],
+                    }
+                    for name, (a, b) in shard.items()
+                }
+            )
             encoded = json.dumps(header, separators=(",", ":")).encode()
             encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
             path = self.folder / file
@@ -117,6 +134,31 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in files:
         with safe_open(folder / file, framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
+            for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+@contextmanager
+def atomic_folder(output: Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to `output`; on success it replaces `output`, on any error it is removed."""
+    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output folder should not be
+    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))
+    try:
+        yield tmp
+        if output.exists():  # --overwrite: swap only now that the new folder is complete
+            output.rename(old)
+        tmp.rename(output)
+    except BaseException:
+        if old.exists() and not output.exists():  # interrupted between the two renames: restore the old folder
+            old.rename(output)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created:  # the outermost missing parent folder we created
+            shutil.rmtree(created[-1], ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -51,7 +51,7 @@ def default_model_path() -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from .source import load_gguf_model
+    from .gguf import load_gguf_model
 
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Preparing the built-in default model %s in %s (first use only).", DEFAULT_MODEL_NAME, target)

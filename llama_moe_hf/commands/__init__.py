@@ -1,0 +1,41 @@
+"""`llama-moe`: convert dense LLaMA checkpoints to MoE, inspect them, chat with them, push them to the Hub.
+
+Each command is a module with `register(subparsers)` and `run(args)`, thin over the Python API; the command line is
+TRL's `TrlParser` (dataclass flags, `--config` recipe files with flags overriding them). Nothing heavy is imported
+before a command runs. Bad input ends with one `error: ...` line and exit status 2, never a traceback.
+"""
+
+import logging
+import sys
+
+from . import chat, convert, info, push
+
+COMMANDS = {"convert": convert, "info": info, "chat": chat, "push": push}
+
+
+def build_parser():
+    from trl import TrlParser
+
+    parser = TrlParser(prog="llama-moe", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=TrlParser)
+    for module in COMMANDS.values():
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    package_logger = logging.getLogger("llama_moe_hf")  # progress messages (e.g. the calibration corpus used)
+    if not package_logger.handlers:
+        package_logger.addHandler(logging.StreamHandler())
+        package_logger.setLevel(logging.INFO)
+    try:
+        (args,) = build_parser().parse_args_and_config(argv)
+        COMMANDS[args.command].run(args)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,98 @@
+"""`llama-moe convert`: its flags are the recipe's fields, the registered components' options and the run options."""
+
+import argparse
+import dataclasses
+
+from ..conversion.choices import ROUTER_TYPES
+from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
+from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the component list's lines, and shows defaults except None (whose help says what it means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def flag_choices() -> dict[str, list[str]]:
+    """The registered names each component flag accepts: for every target of every family, the methods that build
+    it, the router initialisations that can start its routers, and the gates."""
+    choices = {"family": list(FAMILIES)}
+    for family in (FAMILIES[name] for name in FAMILIES):
+        for kind, fields in family.target_fields.items():
+            choices[fields["method"]] = [name for name, method in METHODS.items() if method.target == kind]
+            choices[fields["router_init"]] = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
+            choices[fields["router_type"]] = list(ROUTER_TYPES)
+    return choices
+
+
+def option_classes() -> list[type]:
+    """Each registered component's options dataclass, titled for `--help`."""
+    classes = []
+    for registry in REGISTRIES:
+        for name, component in registry.items():
+            if option_fields(component):
+                component.Options._argument_group_name = f"options of {registry.kind} {name!r}"
+                classes.append(component.Options)
+    return classes
+
+
+def register(subparsers) -> None:
+    RecipeFields._argument_group_name = "what to build (recipe fields)"
+    RunOptions._argument_group_name = "how to run"
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a dense LLaMA checkpoint into an MoE checkpoint",
+        description="Convert a dense LLaMA checkpoint into an MoE checkpoint folder, streaming one layer at a time. "
+        "--config FILE reads a recipe file (flat YAML of these flags); flags given as well override it.",
+        epilog=components_text(),
+        formatter_class=HelpFormatter,
+        dataclass_types=[RecipeFields, *option_classes(), RunOptions],
+    )
+    choices = flag_choices()
+    for action in parser._actions:
+        if action.dest in choices:
+            action.choices = choices[action.dest]
+
+
+def components_text() -> str:
+    """The registered components and their descriptions, for `--help`."""
+    import textwrap
+
+    lines = []
+    for registry in REGISTRIES:
+        lines.append(f"{registry.plural}:")
+        for name, component in registry.items():
+            lines.append(
+                textwrap.fill(component.description, 110, initial_indent=f"  {name:16} ", subsequent_indent=" " * 19)
+            )
+    return "\n".join(lines)
+
+
+def recipe_and_run(args) -> tuple[MoERecipe, RunOptions]:
+    values = vars(args)
+    recipe = {f.name: values[f.name] for f in dataclasses.fields(RecipeFields)}
+    options = {
+        f.name: values[f.name]
+        for options_class in option_classes()
+        for f in dataclasses.fields(options_class)
+        if values[f.name] != f.default
+    }
+    run = RunOptions(**{f.name: values[f.name] for f in dataclasses.fields(RunOptions)})
+    return MoERecipe(**recipe, options=options), run
+
+
+def run(args) -> None:
+    from ..conversion.pipeline import convert
+
+    recipe, run_options = recipe_and_run(args)
+    result = convert(recipe, run_options)
+    print(f"wrote {result.output_dir}")
+    print(parameters_text(result.total_parameters, result.active_parameters))
+    if result.pushed:
+        print(f"pushed: {result.pushed}")
+
+
+def parameters_text(total: int, active: int) -> str:
+    return f"total parameters: {total:,}\nactive parameters per token: {active:,} ({100 * active / total:.1f}%)"

@@ -1,0 +1,47 @@
+"""`llama-moe info`: a converted model's MoE settings and parameter counts, described by its family's registry entry."""
+
+import json
+from pathlib import Path
+
+from .convert import parameters_text
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("info", help="print a converted model's MoE settings and parameter counts")
+    parser.add_argument("folder")
+
+
+def run(args) -> None:
+    for line in info_lines(args.folder):
+        print(line)
+
+
+def info_lines(folder) -> list[str]:
+    from transformers import AutoConfig
+
+    from ..conversion.pipeline import count_parameters
+    from ..conversion.registry import FAMILIES, METHODS, ROUTER_INITS
+    from ..conversion.writer import read_shapes
+    from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
+
+    folder = Path(folder).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"{folder} holds a {config.model_type!r} model, not one of {', '.join(FAMILIES)}.")
+    family = FAMILIES[config.model_type]
+    lines = [
+        f"{folder}: {type(config).__name__} ({config.model_type}: {family.description}), "
+        f"{config.num_hidden_layers} layers"
+    ]
+    lines += family.info_lines(config)
+    recipe = (getattr(config, "conversion_info", None) or {}).get("recipe", {})
+    for key, registry in (("method", METHODS), ("router_init", ROUTER_INITS), ("attn_router_init", ROUTER_INITS)):
+        if recipe.get(key) in registry:
+            lines.append(f"{key.replace('_', ' ')}: {recipe[key]} ({registry[recipe[key]].description})")
+    if getattr(config, "conversion_info", None):
+        lines.append(f"conversion: {json.dumps(config.conversion_info, sort_keys=True)}")
+    total, active = count_parameters(config, read_shapes(folder))
+    lines.append(parameters_text(total, active))
+    return lines

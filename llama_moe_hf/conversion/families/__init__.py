@@ -1,0 +1,7 @@
+"""Model families, one module each; importing this package registers them all in `registry.FAMILIES`."""
+
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

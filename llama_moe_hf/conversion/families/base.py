@@ -1,0 +1,127 @@
+"""Base class of the model families: what a conversion builds, and how the card and `llama-moe info` describe it."""
+
+import dataclasses
+
+from ..registry import NoOptions
+from ..target import MLP
+
+# Where the settings of each kind of target live: a recipe field name, or a component option name.
+MLP_FIELDS = {
+    "method": "method",
+    "router_init": "router_init",
+    "router_type": "router_type",
+    "num_experts": "num_experts",
+    "top_k": "top_k",
+    "num_shared_experts": "num_shared_experts",
+    "score_scale_factor": "score_scale_factor",
+    "layers": "moe_layers",
+}
+# Dense config fields that describe the source file rather than the model.
+_DROPPED_CONFIG_KEYS = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "dtype",
+    "quantization_config",
+)
+
+
+def dense_config_fields(config) -> dict:
+    """The model fields of a dense LLaMA-family config, to build an MoE config from: `LlamaMoEConfig(**fields, ...)`."""
+    return {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")}
+
+
+class ModelFamily:
+    """An output model family, registered under its config's `model_type` with `@FAMILIES.register(model_type)`.
+
+    It says which blocks of the decoder layers become experts (`target_fields`: where each target's settings live),
+    builds the output config, and describes a checkpoint in the model card and `llama-moe info`.
+    """
+
+    name = ""  # set by FAMILIES.register: the config's model_type
+    description = ""
+    Options = NoOptions
+    target_fields = {MLP: MLP_FIELDS}
+
+    def target_kinds(self, recipe) -> list[str]:
+        """The blocks that become experts, in layer order of conversion."""
+        return list(self.target_fields)
+
+    def resolve(self, recipe, dense_config):
+        """The family's own defaults filled in (`dense_config` may be None before the source is opened)."""
+        return recipe
+
+    def check(self, recipe) -> None:
+        """Family-specific refusals (one ValueError)."""
+
+    def config_class(self):
+        raise NotImplementedError
+
+    def model_class(self):
+        raise NotImplementedError
+
+    def build_config(self, dense_config, recipe, plan) -> object:
+        raise NotImplementedError
+
+    def card_rows(self, config, plan) -> list[tuple[str, object]]:
+        """The model card's settings table."""
+        raise NotImplementedError
+
+    @staticmethod
+    def info_lines(config) -> list[str]:
+        """What `llama-moe info` prints about the MoE settings, from the config alone."""
+        return []
+
+    @staticmethod
+    def active_parameters(config, name: str, numel: int) -> int:
+        """Parameters of tensor `name` used per token: routed experts count k/E of their size, the rest fully."""
+        if ".mlp.experts." in name:
+            return numel * config.num_experts_per_tok // config.num_experts
+        return numel
+
+    def default_options(self) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(self.Options)}
+
+
+def layers_text(layers, num_layers: int) -> str:
+    return f"all {num_layers}" if len(layers) == num_layers else f"{len(layers)} of {num_layers}: {list(layers)}"
+
+
+def mlp_card_rows(config, plan) -> list[tuple[str, object]]:
+    """The settings rows of an MLP MoE (LlamaMoE's, and AttnMoE's with an MLP MoE)."""
+    method, router = plan.components[MLP]
+    return [
+        ("Method", f"`{method.name}`: {method.description}"),
+        ("Routed experts per MoE layer", config.num_experts),
+        ("Experts per token (top-k)", config.num_experts_per_tok),
+        ("Shared (always-on) experts", config.num_shared_experts),
+        ("Expert intermediate size", f"{config.moe_intermediate_size} (dense FFN: {config.intermediate_size})"),
+        ("MoE layers", layers_text(config.moe_layers, config.num_hidden_layers)),
+        ("Router", f"`{config.router_type}`, initialised `{router.name}`: {router.description}"),
+        ("Score scale factor", config.score_scale_factor),
+        ("G-MoEfication compensation (mean output of skipped experts)", "on" if config.moe_compensation else "off"),
+    ]
+
+
+def mlp_info_line(config) -> str:
+    return (
+        f"experts: {config.num_experts} routed (top-{config.num_experts_per_tok}, size {config.moe_intermediate_size}), "
+        f"{config.num_shared_experts} shared, router {config.router_type}, MoE layers {config.moe_layers}"
+    )
+
+
+def mlp_config_fields(recipe, plan) -> dict:
+    """The LlamaMoE config fields of the MLP target (and its method's expert sizes)."""
+    target = plan.targets[MLP]
+    method, _ = plan.components[MLP]
+    return {
+        "num_experts": target.num_experts,
+        "num_experts_per_tok": target.top_k,
+        "num_shared_experts": target.num_shared_experts,
+        "router_type": target.router_type,
+        "score_scale_factor": target.score_scale_factor,
+        "moe_layers": list(target.layers),
+        "moe_compensation": recipe.compensation,
+        **method.config_fields(),
+    }

@@ -1,0 +1,29 @@
+"""LlamaMoE: LLaMA whose feed-forward blocks are Mixture-of-Experts blocks (`model_type: llama_moe`)."""
+
+from ..registry import FAMILIES
+from .base import ModelFamily, dense_config_fields, mlp_card_rows, mlp_config_fields, mlp_info_line
+
+
+@FAMILIES.register("llama_moe")
+class LlamaMoEFamily(ModelFamily):
+    description = "LLaMA with Mixture-of-Experts MLPs (LLaMA-MoE v1/v2, sparse upcycling, G-MoEfication)"
+
+    def config_class(self):
+        from ...modeling import LlamaMoEConfig
+
+        return LlamaMoEConfig
+
+    def model_class(self):
+        from ...modeling import LlamaMoEForCausalLM
+
+        return LlamaMoEForCausalLM
+
+    def build_config(self, dense_config, recipe, plan):
+        return self.config_class()(**dense_config_fields(dense_config), **mlp_config_fields(recipe, plan))
+
+    def card_rows(self, config, plan):
+        return mlp_card_rows(config, plan)
+
+    @staticmethod
+    def info_lines(config) -> list[str]:
+        return [mlp_info_line(config)]

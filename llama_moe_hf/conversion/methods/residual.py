@@ -1,0 +1,32 @@
+"""LLaMA-MoE v2's residual MoE construction."""
+
+from ..registry import METHODS
+from .base import CalibratedSplit
+
+
+@METHODS.register("residual")
+class ResidualSplit(CalibratedSplit):
+    description = (
+        "LLaMA-MoE v2 residual MoE: router rows are balanced k-means centroids of the MLP inputs; per-expert "
+        "importance over the tokens each expert receives; the most shared neurons form the shared experts."
+    )
+    default_router_init = "kmeans"  # v2 routes by the centroids its experts were built from
+
+    def request_data(self, context) -> None:
+        context.request_mlp(self.target.layers)
+
+    def construct(self, context) -> dict:
+        from ..importance import router_groups, split_sharing_inter
+
+        t = self.target
+        routers = {i: context.kmeans_centroids(i, t.num_experts) for i in t.layers}
+        stats = context.importance(
+            f"kmeans-routers-{t.num_experts}", t.layers, token_groups=router_groups(routers), num_groups=t.num_experts
+        )
+        return {i: split_sharing_inter(stats[i].importance, t.num_shared_experts) for i in t.layers}
+
+    def split_file_routers(self, context) -> dict | None:
+        t = self.target
+        if not context.has_kmeans_centroids(t.layers, t.num_experts):
+            return None
+        return {i: context.kmeans_centroids(i, t.num_experts) for i in t.layers}

@@ -1,0 +1,147 @@
+"""Streaming conversion: a dense checkpoint on disk -> an MoE checkpoint folder, one decoder layer at a time.
+
+    recipe + run options -> resolve (before the source is opened) -> open the source -> plan -> calibration context
+        -> every calibration pass, then the dense model is freed -> tensors streamed into shards -> config, code,
+        tokenizer, recipe, card -> the temporary folder replaces the output
+
+A failed or interrupted conversion leaves nothing behind and never touches its source.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe, split_fields
+from .registry import FAMILIES
+
+
+@dataclass
+class ConversionResult:
+    """What a conversion wrote."""
+
+    output_dir: Path
+    total_parameters: int
+    active_parameters: int
+    files: list[str] = field(default_factory=list)
+    recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
+    pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
+
+
+def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(total, active per token) parameters of a checkpoint, exactly from its tensor shapes."""
+    import math
+
+    family = FAMILIES[config.model_type]
+    total = active = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        total += numel
+        active += family.active_parameters(config, name, numel)
+    return total, active
+
+
+def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) -> ConversionResult:
+    """Convert the dense checkpoint `run.model` into the MoE checkpoint folder `run.output`, as `recipe` says.
+
+    `download` fetches Hub repositories (default `huggingface_hub.snapshot_download`) and `hub_api` uploads with
+    `run.push_to_hub` (default `HfApi`): the seams tests replace.
+    """
+    import torch
+
+    from .calibration import CalibrationContext
+    from .plan import ConversionPlan, resolve_recipe
+    from .sources import open_source
+
+    output = _check_output(run)
+    resolve_recipe(recipe, run=run)  # what needs no source is refused before opening (or downloading) it
+    if run.push_to_hub and not run.repo_id:
+        raise ValueError("--push-to-hub needs --repo-id ORG/NAME.")
+    source = open_source(
+        run.model,
+        allow_pickle=run.allow_pickle,
+        revision=run.revision,
+        token=run.token,
+        **({"download": download} if download else {}),
+    )
+    _check_not_source(output, source)
+    source.check_complete()
+    plan = ConversionPlan.create(recipe, source.config, run)
+    context = CalibrationContext(
+        plan.recipe,
+        source.load_model,
+        source.load_tokenizer,
+        device=run.device,
+        batch_size=run.calibration_batch_size,
+        progress=run.progress,
+    )
+    plan.prepare(context)
+    context.release()  # the write streams: about one decoder layer in memory
+    plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
+    plan.config.conversion_info = plan.conversion_info(source.description, context)
+    result = _write(plan, source, context, output)
+    if run.push_to_hub:
+        from .hub import push_folder
+
+        result.pushed = push_folder(output, run.repo_id, private=run.private, token=run.token, api=hub_api)
+    return result
+
+
+def _write(plan, source, context, output: Path) -> ConversionResult:
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from .card import write_model_card
+    from .writer import ShardedWriter, atomic_folder
+
+    run = plan.run
+    with atomic_folder(output) as tmp:
+        writer = ShardedWriter(tmp, plan.expected, plan.config.dtype, run.max_shard_size)
+        for name, tensor in plan.tensors(source, context, progress=run.progress):
+            writer.add(name, tensor)
+        total, active = count_parameters(plan.config, writer.shapes)
+        writer.close(total_parameters=total)
+        plan.meta_model.add_auto_map()  # every head of the family, not only the causal LM
+        custom_object_save(plan.meta_model, tmp, config=plan.config)  # the modeling code next to the weights
+        plan.config.save_pretrained(tmp)
+        source.save_extras(tmp)
+        save_recipe(tmp / RECIPE_FILE, plan.recipe, dataclasses.replace(run, model=source.reference))
+        write_model_card(tmp, plan, source, total, active)
+        files = sorted(p.name for p in tmp.iterdir())
+    return ConversionResult(output, total, active, files, plan.recipe)
+
+
+def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None, **fields) -> ConversionResult:
+    """`convert` with keyword arguments: recipe fields, component options and run options by name.
+
+        convert_to_moe(None, "smollm2-moe", method="upcycle", num_experts=8, top_k=2, dtype="bfloat16")
+        convert_to_moe("path/to/llama", "out", recipe, overwrite=True)   # fields override the recipe
+
+    `model`: a local folder, a Hub repository id, a `.gguf` file, or None for the built-in SmolLM2-135M-Instruct.
+    """
+    seams = {key: fields.pop(key) for key in ("download", "hub_api") if key in fields}
+    recipe_fields, run_fields = split_fields(fields)
+    base = recipe or MoERecipe()
+    options = {**base.options, **recipe_fields.pop("options")}
+    recipe = dataclasses.replace(base, **recipe_fields, options=options)
+    run = RunOptions(model=None if model is None else str(model), output=output_dir and str(output_dir), **run_fields)
+    return convert(recipe, run, **seams)
+
+
+def _check_output(run: RunOptions) -> Path:
+    if not run.output:
+        raise ValueError("A conversion needs an output folder (--output, output_dir=).")
+    if run.dtype is not None and run.dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {run.dtype!r}; choose one of {', '.join(DTYPES)} (or leave it unset).")
+    output = Path(run.output).expanduser().resolve()
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"Output {output} exists and is not a folder.")
+    if output.exists() and not run.overwrite:
+        raise FileExistsError(
+            f"Output folder {output} already exists; pass --overwrite (overwrite=True) to replace it."
+        )
+    return output
+
+
+def _check_not_source(output: Path, source) -> None:
+    source_path = source.path.resolve()
+    if output == source_path or output in source_path.parents:
+        raise ValueError(f"Output {output} would replace the source {source.path}; choose another output folder.")

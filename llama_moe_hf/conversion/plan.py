@@ -1,0 +1,312 @@
+"""One conversion, planned: the recipe checked and completed, its components chosen, the output config built.
+
+resolve_recipe(recipe, dense_config)    the one place where conversion settings are checked and defaults filled
+ConversionPlan.create(recipe, config)   the components of each target, the output config and tensor shapes
+plan.prepare(context)                   every calibration pass, once, before the write
+plan.tensors(source, context)           the output checkpoint's tensors, one decoder layer at a time
+"""
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+from .choices import ROUTER_TYPES
+from .layer_patterns import layer_terms, parse_moe_layers
+from .recipe import MoERecipe, RunOptions, check_types
+from .registry import FAMILIES, METHODS, ROUTER_INITS, option_fields, option_owner
+from .target import BLOCKS, MLP, LayerBuild, Target
+
+_POSITIVE = ("num_experts", "calibration_tokens", "calibration_samples")
+
+
+def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None = None) -> MoERecipe:
+    """`recipe` with every default filled in, or one ValueError for the first impossible setting.
+
+    Without `dense_config` (before the source is opened) the settings that depend on the model's shape are checked
+    later, when it is given. Nothing is changed in place: a new recipe is returned.
+    """
+    recipe = dataclasses.replace(recipe, moe_layers=_layer_list(recipe.moe_layers))
+    check_types(recipe)
+    if run is not None:
+        check_types(run)
+    _check_numbers(recipe, run)
+    data = recipe.calibration_data
+    if data is not None and Path(data).expanduser().exists():  # a local file: where it is, wherever the recipe goes
+        recipe = dataclasses.replace(recipe, calibration_data=str(Path(data).expanduser().resolve()))
+    family = FAMILIES[recipe.family or _family_of(recipe)]()
+    options = {**family.default_options(), **recipe.options}
+    recipe = dataclasses.replace(recipe, family=family.name, options=options)
+    family.check(recipe)
+    recipe = family.resolve(recipe, dense_config)
+    for kind in family.target_kinds(recipe):
+        recipe = _resolve_target(recipe, family, kind, run)
+    recipe = _resolve_options(recipe, family)
+    if dense_config is not None:
+        for kind in family.target_kinds(recipe):
+            parse_moe_layers(_get(recipe, family.target_fields[kind]["layers"]), dense_config.num_hidden_layers)
+    return recipe
+
+
+def _layer_list(value):
+    """A layer pattern as a list of strings: YAML and Python callers also write `[0, 2]` or `"last:2"`."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [str(term) for term in value]
+    return value
+
+
+def _family_of(recipe: MoERecipe) -> str:
+    """The family whose options the recipe sets, else LlamaMoE."""
+    owners = [option_owner(key) for key in recipe.options]
+    families = sorted({owner[1] for owner in owners if owner is not None and owner[0] is FAMILIES})
+    if len(families) > 1:
+        raise ValueError(f"The options set belong to several families ({', '.join(families)}); set --family.")
+    return families[0] if families else "llama_moe"
+
+
+def _check_numbers(recipe: MoERecipe, run: RunOptions | None) -> None:
+    for name in _POSITIVE:
+        if getattr(recipe, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
+    if not 1 <= recipe.top_k <= recipe.num_experts:
+        raise ValueError(f"--top-k must be between 1 and --num-experts={recipe.num_experts}, got {recipe.top_k}.")
+    if recipe.num_shared_experts < 0:
+        raise ValueError(f"--num-shared-experts must be >= 0, got {recipe.num_shared_experts}.")
+    if recipe.calibration_seq_len < 2:
+        raise ValueError(f"--calibration-seq-len must be at least 2, got {recipe.calibration_seq_len}.")
+    if recipe.calibration_tokens < recipe.calibration_seq_len:
+        raise ValueError(
+            f"--calibration-tokens ({recipe.calibration_tokens}) must be at least one sequence "
+            f"({recipe.calibration_seq_len} tokens)."
+        )
+    layer_terms(recipe.moe_layers)
+    if run is not None and run.calibration_batch_size < 1:
+        raise ValueError(f"--calibration-batch-size must be at least 1, got {run.calibration_batch_size}.")
+
+
+def _get(recipe: MoERecipe, field: str | None):
+    if field is None:
+        return None
+    return getattr(recipe, field) if field in recipe.__dataclass_fields__ else recipe.options.get(field)
+
+
+def _set(recipe: MoERecipe, **values) -> MoERecipe:
+    fields = {k: v for k, v in values.items() if k in recipe.__dataclass_fields__}
+    options = {k: v for k, v in values.items() if k not in fields}
+    return dataclasses.replace(recipe, **fields, options={**recipe.options, **options})
+
+
+def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:
+    """The method, router init, gate and score scale of one target, checked and completed."""
+    fields = family.target_fields[kind]
+    method = METHODS[_get(recipe, fields["method"])]
+    if method.target != kind:
+        raise ValueError(f"Method {method.name!r} builds {method.target} experts, not {kind} experts.")
+    router = ROUTER_INITS[_get(recipe, fields["router_init"]) or method.default_router_init]
+    if kind not in router.targets:
+        usable = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
+        raise ValueError(f"Router init {router.name!r} cannot start {kind} routers; choose one of {', '.join(usable)}.")
+    router_type = _get(recipe, fields["router_type"]) or router.router_type or "top_k"
+    _check_router(router, router_type, method, kind)
+    shared = _get(recipe, fields["num_shared_experts"]) or 0
+    if shared and not method.allows_shared_experts:
+        raise ValueError(f"--num-shared-experts is not supported with method {method.name!r}.")
+    if kind == MLP and recipe.compensation and not method.neuron_split:
+        raise ValueError(f"--compensation needs a method that splits the FFN's neurons, not {method.name!r}.")
+    if run is not None and (run.save_split or run.load_split) and kind == MLP and not method.uses_split_files:
+        usable = [name for name, m in METHODS.items() if m.uses_split_files]
+        raise ValueError(f"--save-split / --load-split work with the methods {', '.join(usable)}.")
+    experts, top_k = _get(recipe, fields["num_experts"]), _get(recipe, fields["top_k"])
+    scale = _get(recipe, fields["score_scale_factor"])
+    if scale is None and experts is not None and top_k is not None:
+        scale = 1.0 if router.unit_weights else float(method.default_score_scale(experts, top_k))
+    layers = _layer_list(_get(recipe, fields["layers"]))
+    layer_terms(layers)
+    values = {
+        fields["method"]: method.name,
+        fields["router_init"]: router.name,
+        fields["router_type"]: router_type,
+        fields["layers"]: layers,
+    }
+    if fields["score_scale_factor"] is not None:
+        values[fields["score_scale_factor"]] = scale
+    return _set(recipe, **values)
+
+
+def _check_router(router, router_type: str, method, kind: str) -> None:
+    if router_type not in ROUTER_TYPES:
+        raise ValueError(f"Unknown router type {router_type!r}; choose one of {', '.join(ROUTER_TYPES)}.")
+    if router.router_type is not None and router_type != router.router_type:
+        raise ValueError(f"Router init {router.name!r} makes a {router.router_type!r} router, not {router_type!r}.")
+    forced = [init.name for _, init in ROUTER_INITS.items() if init.router_type == router_type]
+    if forced and router.name not in forced:
+        raise ValueError(f"A {router_type!r} router is made by router init {' or '.join(forced)}, not {router.name!r}.")
+    if router.needs_neuron_split and not method.neuron_split:
+        raise ValueError(
+            f"Router init {router.name!r} needs a method that splits the FFN's neurons, not {method.name!r}."
+        )
+
+
+def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
+    """Keep exactly the options of the family and of the chosen methods and router inits, with their defaults."""
+    chosen = [family]
+    for kind in family.target_kinds(recipe):
+        fields = family.target_fields[kind]
+        chosen += [METHODS[_get(recipe, fields["method"])], ROUTER_INITS[_get(recipe, fields["router_init"])]]
+    accepted = {f.name: (component, f) for component in chosen for f in option_fields(component)}
+    for key in recipe.options:
+        if key not in accepted:
+            owner = option_owner(key)
+            if owner is None:
+                raise ValueError(f"Unknown option {key!r}.")
+            raise ValueError(f"--{key.replace('_', '-')} applies to {owner[0].kind} {owner[1]!r}, which is not used.")
+    options = {key: recipe.options.get(key, f.default) for key, (_, f) in accepted.items()}
+    for component in {component for component, _ in accepted.values()}:
+        values = component.Options(**{f.name: options[f.name] for f in option_fields(component)})
+        check_types(values)
+        for f in option_fields(component):
+            choices = f.metadata.get("choices")
+            if choices and options[f.name] is not None and options[f.name] not in choices:
+                flag = "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {options[f.name]!r}.")
+    return dataclasses.replace(recipe, options=options)
+
+
+@dataclasses.dataclass
+class ConversionPlan:
+    """A resolved recipe turned into components: per target (`mlp`, `attention`) its `Target` settings and its
+    (construction method, router init) instances; the output `config` and the shape of every output tensor."""
+
+    recipe: MoERecipe
+    run: RunOptions
+    family: object
+    dense_config: object
+    targets: dict[str, Target]
+    components: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    config: object = None
+    expected: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
+
+    @classmethod
+    def create(cls, recipe: MoERecipe, dense_config, run: RunOptions | None = None) -> "ConversionPlan":
+        """Check and complete `recipe` against the dense model's config; one ValueError for the first impossible
+        setting (the output config's own checks included)."""
+        import torch
+        from huggingface_hub.errors import StrictDataclassError
+
+        run = run or RunOptions()
+        recipe = resolve_recipe(recipe, dense_config, run)
+        family = FAMILIES[recipe.family]()
+        targets = {kind: _target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
+        plan = cls(recipe, run, family, dense_config, targets)
+        plan.components = {
+            kind: (
+                METHODS[t.method](recipe, t, dense_config, run),
+                ROUTER_INITS[t.router_init](recipe, t, dense_config, run),
+            )
+            for kind, t in targets.items()
+        }
+        try:
+            plan.config = family.build_config(dense_config, recipe, plan)
+        except StrictDataclassError as error:  # a wrongly typed setting: one ValueError like the others
+            raise ValueError(str(error)) from None
+        plan.config.architectures = [family.model_class().__name__]
+        with torch.device("meta"):
+            plan.meta_model = family.model_class()(plan.config)
+        plan.expected = {name: tuple(t.shape) for name, t in plan.meta_model.state_dict().items()}
+        if plan.config.tie_word_embeddings:
+            plan.expected.pop("lm_head.weight", None)
+        return plan
+
+    def prepare(self, context) -> None:
+        """Every component asks for its statistics, one calibration pass records them all, then the components
+        compute what the layers need (gradient passes and k-means included). The caller releases the model."""
+        for method, router in self.components.values():
+            method.request(context)
+            router.request(context)
+        context.collect()
+        for method, router in self.components.values():
+            method.prepare(context)
+            router.prepare(context)
+
+    def tensors(self, source, context, progress: bool = False) -> Iterator[tuple[str, object]]:
+        """(name, tensor) of the whole output checkpoint, one decoder layer at a time, checked against the plan."""
+        from tqdm.auto import tqdm
+
+        yield self._checked("model.embed_tokens.weight", source.tensor("model.embed_tokens.weight"))
+        layers = range(self.config.num_hidden_layers)
+        for layer_idx in tqdm(layers, desc="Converting layers", unit="layer", disable=not progress):
+            prefix = f"model.layers.{layer_idx}."
+            dense = {name[len(prefix) :]: source.tensor(name) for name in source.layer_names(layer_idx)}
+            for name, tensor in self.layer_tensors(layer_idx, dense, context).items():
+                yield self._checked(prefix + name, tensor)
+        yield self._checked("model.norm.weight", source.tensor("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            yield self._checked("lm_head.weight", source.tensor("lm_head.weight"))
+        for method, router in self.components.values():
+            method.finish(context)
+
+    def layer_tensors(self, layer_idx: int, dense: dict, context) -> dict:
+        """One decoder layer's output tensors (keyed under the layer) from its dense tensors."""
+        tensors = dict(dense)
+        for kind, target in self.targets.items():
+            if layer_idx not in target.layers:
+                continue
+            prefix = BLOCKS[kind] + "."
+            block = {k[len(prefix) :]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
+            tensors.update({prefix + k: v for k, v in self._block_tensors(kind, layer_idx, block, context).items()})
+        return tensors
+
+    def _block_tensors(self, kind: str, layer_idx: int, dense: dict, context) -> dict:
+        method, router = self.components[kind]
+        built = method.build(layer_idx, dense, context)
+        tensors = dict(built.tensors)
+        gate = router.tensors(layer_idx, built, context)
+        if self.targets[kind].router_type == "noisy_top_k":
+            gate.setdefault("noise_weight", gate["weight"].new_zeros(gate["weight"].shape))  # no noise until trained
+        tensors.update({f"gate.{name}": tensor for name, tensor in gate.items()})
+        if kind == MLP and self.recipe.compensation:
+            tensors["compensation"] = self._compensation(layer_idx, built, context)
+        return tensors
+
+    @staticmethod
+    def _compensation(layer_idx: int, built: LayerBuild, context):
+        from .gmoefication import compensation_table
+
+        return compensation_table(built.split, built.dense["down_proj.weight"], context.mlp(layer_idx).mean_activation)
+
+    def _checked(self, name: str, tensor):
+        if name not in self.expected:
+            raise ValueError(f"Conversion produced an unexpected tensor {name} (the output model has no such weight).")
+        if tuple(tensor.shape) != self.expected[name]:
+            raise ValueError(
+                f"Conversion produced {name} with shape {tuple(tensor.shape)}, expected {self.expected[name]}."
+            )
+        return name, tensor
+
+    def conversion_info(self, source_description: str, context) -> dict:
+        """`config.conversion_info`: the recipe, the source, and what the components report."""
+        info = {"recipe": self.recipe.to_dict(), "source": source_description}
+        if context.used:
+            info["calibration_data"] = context.data_description
+        for method, router in self.components.values():
+            info.update(method.info())
+            info.update(router.info())
+        return info
+
+
+def _target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
+    fields = family.target_fields[kind]
+    get = lambda key: _get(recipe, fields[key])
+    return Target(
+        kind=kind,
+        method=get("method"),
+        router_init=get("router_init"),
+        router_type=get("router_type"),
+        num_experts=get("num_experts"),
+        top_k=get("top_k"),
+        num_shared_experts=get("num_shared_experts") or 0,
+        score_scale_factor=get("score_scale_factor"),
+        layers=tuple(parse_moe_layers(get("layers"), dense_config.num_hidden_layers)),
+    )

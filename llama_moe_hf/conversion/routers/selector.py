@@ -1,0 +1,50 @@
+"""G-MoEfication's expert selector (MoEfication's router network), trained on calibration data."""
+
+from dataclasses import dataclass
+
+from ..choices import SELECTOR_OBJECTIVES
+from ..registry import ROUTER_INITS, option
+from ..target import MLP, SELECTOR_STREAM, layer_seed
+from .base import RouterInit
+
+
+@dataclass(frozen=True)
+class SelectorOptions:
+    selector_steps: int = option(100, "L-BFGS iterations per layer of the selector's training")
+    selector_objective: str = option(
+        "listwise",
+        "the selector's loss: listwise ranking (ranks better on SmolLM2, docs/quality.md) or MoEfication's bce",
+        choices=SELECTOR_OBJECTIVES,
+    )
+
+
+@ROUTER_INITS.register("selector")
+class SelectorRouter(RouterInit):
+    description = (
+        "MoEfication's expert selector trained on calibration data to rank the experts by the output a token would "
+        "lose without them (G-MoEfication; unit expert weights)"
+    )
+    Options = SelectorOptions
+    targets = (MLP,)
+    router_type = "selector"
+    needs_neuron_split = True
+    unit_weights = True
+
+    def request(self, context) -> None:
+        context.request_mlp(self.target.layers)
+
+    def tensors(self, layer_idx, built, context) -> dict:
+        from ..gmoefication import train_layer_selector
+
+        stats = context.mlp(layer_idx)
+        mean = stats.mean_activation[built.split.expert_neurons] if self.recipe.compensation else None
+        state, _ = train_layer_selector(
+            stats.hidden_states,
+            built.tensors,
+            mean,
+            top_k=self.target.top_k,
+            steps=self.options.selector_steps,
+            objective=self.options.selector_objective,
+            seed=layer_seed(self.recipe.seed, layer_idx, SELECTOR_STREAM),
+        )
+        return state

@@ -1,0 +1,32 @@
+"""A dense model already in memory as a source (`build_moe`): its tensors are read from the model, never copied."""
+
+from pathlib import Path
+
+import torch
+
+from .base import DenseSource, check_llama_config
+
+
+class ModelSource(DenseSource):
+    """A loaded dense LLaMA-family causal LM (and optionally its tokenizer, for calibration text)."""
+
+    def __init__(self, model, tokenizer=None):
+        check_llama_config(model.config.to_dict(), type(model).__name__)
+        super().__init__(Path("."), model.config, description=f"in-memory {type(model).__name__}")
+        self._model = model
+        self._tokenizer = tokenizer
+        self._state = model.state_dict()
+
+    def names(self) -> list[str]:
+        return list(self._state)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._state[name].detach()
+
+    def load_model(self, dtype: torch.dtype | None = None):
+        return self._model
+
+    def load_tokenizer(self):
+        if self._tokenizer is None:
+            raise ValueError("Calibration text needs a tokenizer: pass tokenizer= (or calibration input_ids=).")
+        return self._tokenizer

@@ -1,0 +1,92 @@
+"""Split files: the neuron indices (and k-means routers) of a calibrated conversion, saved to be reused.
+
+Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 (when present),
+`layers.{i}.router` `[E, H]` float32 (when present). Metadata: `format` plus the writer's strings.
+"""
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .experts import ExpertSplit
+
+SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
+
+
+def save_splits(
+    path: str | Path,
+    splits: dict[int, ExpertSplit],
+    routers: dict[int, torch.Tensor] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write neuron indices (and router weights) per layer to a safetensors file, atomically.
+
+    Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 (when present),
+    `layers.{i}.router` `[E, H]` float32 (when given). Metadata: `format` plus the caller's strings.
+    """
+    tensors = {}
+    for layer, split in splits.items():
+        tensors[f"layers.{layer}.expert_neurons"] = split.expert_neurons.long().contiguous()
+        if split.shared_neurons is not None:
+            tensors[f"layers.{layer}.shared_neurons"] = split.shared_neurons.long().contiguous()
+    for layer, router in (routers or {}).items():
+        tensors[f"layers.{layer}.router"] = router.detach().float().cpu().contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": SPLIT_FILE_FORMAT, **(metadata or {})})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+_SPLIT_KEY = re.compile(r"layers\.(\d+)\.(expert_neurons|shared_neurons|router)")
+
+
+def load_splits(path: str | Path) -> tuple[dict[int, ExpertSplit], dict[int, torch.Tensor], dict[str, str]]:
+    """Read a file written by `save_splits` -> (splits, routers, metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Split file {path} does not exist.")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as error:
+        raise ValueError(f"{path} is not a readable safetensors split file: {error}") from None
+    if metadata.get("format") != SPLIT_FILE_FORMAT:
+        raise ValueError(f"{path} is not a llama-moe-hf split file (metadata format {metadata.get('format')!r}).")
+    fields: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _SPLIT_KEY.fullmatch(key)
+        if match is None:
+            raise ValueError(f"{path}: unexpected tensor {key!r} in a split file.")
+        fields.setdefault(int(match[1]), {})[match[2]] = tensor
+    splits, routers = {}, {}
+    for layer, entry in sorted(fields.items()):
+        if "expert_neurons" in entry:
+            splits[layer] = ExpertSplit(entry["expert_neurons"].long(), entry.get("shared_neurons"))
+        if "router" in entry:
+            routers[layer] = entry["router"]
+    return splits, routers, metadata
+
+
+def check_loaded_split(split: ExpertSplit, layer: int, intermediate_size: int, num_experts: int, expert_size: int):
+    """Raise a clear error when a split read from a file does not fit the model being converted."""
+    shape = tuple(split.expert_neurons.shape)
+    if shape != (num_experts, expert_size):
+        raise ValueError(
+            f"Layer {layer} of the split file has {shape[0]} experts of {shape[1]} neurons; "
+            f"this conversion needs {num_experts} of {expert_size}."
+        )
+    used = [split.expert_neurons] + ([split.shared_neurons] if split.shared_neurons is not None else [])
+    if any(int(t.min()) < 0 or int(t.max()) >= intermediate_size for t in used):
+        raise ValueError(f"Layer {layer} of the split file has neuron indices outside 0..{intermediate_size - 1}.")

@@ -1,0 +1,101 @@
+"""Shared test helpers: tiny dense models and their files, and small checks. Test modules import from here (and
+fixtures come from conftest.py); they never import each other."""
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf.conversion.families.base import dense_config_fields
+
+TINY_VOCAB = 128
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """A small dense LLaMA config with 8 query heads over 2 KV heads (GQA)."""
+    fields = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A seeded random model of `tiny_llama_config(**overrides)`, in eval mode."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+def tiny_moe(seed: int = 0, **moe_fields) -> LlamaMoEForCausalLM:
+    """A tiny random LlamaMoE (GQA, 2 layers, 4 experts of 24, top-2 by default), in eval mode."""
+    torch.manual_seed(seed)
+    fields = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24} | moe_fields
+    return LlamaMoEForCausalLM(LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)).eval()
+
+
+def char_tokenizer():
+    """A character-level tokenizer whose ids fit the tiny models' vocabulary (ASCII 32..126, <unk>, </s>)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+def save_tiny_dense(path: Path, seed: int = 0, **save_kwargs) -> LlamaForCausalLM:
+    """A tiny random GQA LLaMA saved as safetensors with a character tokenizer; returns the model (fp32, eval)."""
+    model = tiny_llama(seed)
+    model.save_pretrained(path, **save_kwargs)
+    char_tokenizer().save_pretrained(path)
+    return model
+
+
+def token_batch(batch_size: int = 2, length: int = 12, vocab_size: int = TINY_VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, input_ids) -> torch.Tensor:
+    return model(input_ids).logits
+
+
+def load_moe(path):
+    """A converted folder loaded with the Auto classes, checking that every weight was in the files."""
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def folder_hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+def assert_same_logits(moe, dense, input_ids, atol: float = 1e-4) -> None:
+    torch.testing.assert_close(logits(moe, input_ids), logits(dense, input_ids), atol=atol, rtol=1e-4)
+
+
+class FakeHfApi:
+    """Records the calls `push_folder` makes, and the README.md the upload would carry (no Hub access here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, folder_path, repo_id, **kwargs):
+        self.uploaded_readme = (Path(folder_path) / "README.md").read_text()
+        self.calls.append(("upload_folder", repo_id, {"folder_path": folder_path, **kwargs}))
+        return "https://huggingface.co/me/tiny-moe/commit/abc"

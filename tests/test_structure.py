@@ -1,0 +1,121 @@
+"""The package's shape: no import cycle, a command line that starts without torch, Auto-class registration on
+import, and tensor / expert parallel plans that run (two CPU processes over gloo)."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_moe_hf import convert_to_moe
+
+PACKAGE = Path(__file__).parents[1] / "llama_moe_hf"
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in the file, function-level imports included)."""
+    modules = {}
+    for file in root.rglob("*.py"):
+        parts = list(file.relative_to(root.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    graph = {}
+    for name, file in modules.items():
+        package = name if file.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
+        # A module importing its own parent package is not a cycle (the parent finished its imports first).
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph(PACKAGE)
+    assert "llama_moe_hf.conversion.methods.cluster" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_check_can_fail():
+    graph = import_graph(PACKAGE)
+    graph["llama_moe_hf.conversion.registry"] = {"llama_moe_hf.conversion.methods.random"}
+    cycle = find_cycle(graph)
+    assert cycle and {"llama_moe_hf.conversion.registry", "llama_moe_hf.conversion.methods.random"} <= set(cycle)
+
+
+def test_the_command_line_answers_without_importing_torch_or_transformers():
+    """`llama-moe --help` and argument errors: the command line's registries, recipe fields and parser are light."""
+    for args, code in ((["--help"], 0), (["convert", "--help"], 0), (["convert", "--top-k", "x"], 2)):
+        run = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "llama_moe_cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == code, run.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+        assert "llama_moe_hf.conversion.registry" in imported
+        assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers")}, args
+
+
+def test_importing_the_package_registers_the_families_with_the_auto_classes():
+    code = (
+        "import llama_moe_hf; from transformers import AutoConfig, AutoModelForTokenClassification as A; "
+        "c = AutoConfig.for_model('attn_moe', vocab_size=16, hidden_size=8, intermediate_size=8, "
+        "num_hidden_layers=1, num_attention_heads=2); print(type(A.from_config(c)).__name__)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "AttnMoEForTokenClassification", run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_plans_run_in_two_processes(tiny_dense, tmp_path):
+    folder = convert_to_moe(
+        tiny_dense[0], tmp_path / "moe", num_experts=4, num_shared_experts=2, moe_layers=["1"], progress=False
+    ).output_dir
+    script = Path(__file__).with_name("parallel_script.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(folder),
+        str(tmp_path / "result.json"),
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for layout, (difference, sharded) in json.loads((tmp_path / "result.json").read_text()).items():
+        assert sharded and difference < 1e-5, layout
