@@ -23,6 +23,7 @@ setup(
     ],
     extras_require={
         "calibration": ["datasets>=5.2", "k-means-constrained>=0.9.1", "scikit-learn"],
+        "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
         "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2"],
         "test": [
             "pytest",

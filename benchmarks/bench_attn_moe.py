@@ -15,7 +15,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from llama_moe_hf.conversion.attention import attn_moe_config
+from llama_moe_hf import AttnMoEConfig
+from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 
 SMOLLM2 = dict(
@@ -62,9 +63,10 @@ def main():
     variants = [("dense LlamaAttention", dense, 1.0, 0)]
     for num_experts, top_k in ((3, 1), (9, 3), (9, 6)):
         for implementation in ("masked", "gathered"):
-            config = attn_moe_config(
-                dense_config, num_attention_experts=num_experts, num_attention_experts_per_tok=top_k,
-                attention_experts_implementation=implementation, attn_implementation="sdpa",
+            config = AttnMoEConfig(
+                **dense_config_fields(dense_config), num_attention_experts=num_experts,
+                num_attention_experts_per_tok=top_k, attention_experts_implementation=implementation,
+                attn_implementation="sdpa",
             )
             module = AttnMoEAttention(config, layer_idx=0).eval()
             module.load_state_dict(dense.state_dict(), strict=False)

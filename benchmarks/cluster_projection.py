@@ -16,35 +16,39 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
-from llama_moe_hf.conversion.construction import split_cluster
-from llama_moe_hf.conversion.convert import dense_config_fields
-from llama_moe_hf.conversion.default_model import default_model_path
-from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
-from llama_moe_hf.modeling import LlamaMoEConfig
-from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
+from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.conversion.sources import default_model_path
 from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
+SPLITS = {
+    "random": {"method": "random"},
+    "gate": {"method": "cluster", "cluster_on": "gate"},
+    "up": {"method": "cluster", "cluster_on": "up"},
+    "both": {"method": "cluster", "cluster_on": "both"},
+}
 
-def swap_in_moe(model, splits, top_k: int) -> list:
-    """Replace each dense MLP by the MoE block of its split (in place); returns the dense MLPs to put back."""
-    dense = dense_config_fields(model.config)
-    num_experts = next(iter(splits.values())).num_experts
-    config = LlamaMoEConfig(
-        **dense, num_experts=num_experts, num_experts_per_tok=top_k, score_scale_factor=float(num_experts)
-    )
-    originals = []
-    for i, split in splits.items():
-        layer = model.model.layers[i]
-        mlp = layer.mlp
-        tensors = build_expert_tensors(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, split)
-        # [E, H]: mean gate row of each expert, tiny so the weights of the k chosen experts stay uniform
-        tensors["gate.weight"] = 1e-4 * tensors["experts.gate_up_proj"][:, : split.expert_size].mean(dim=1)
-        block = LlamaMoESparseMoeBlock(config, i)
-        block.load_state_dict(tensors)
-        originals.append(mlp)
-        layer.mlp = block
-    return originals
+
+def split_seconds(dense, recipe: MoERecipe) -> float:
+    """Time to split every layer's FFN as `build_moe(dense, recipe)` does, the split alone (no model is built)."""
+    plan = ConversionPlan.create(recipe, dense.config)
+    context = CalibrationContext(plan.recipe, lambda *_: dense)
+    plan.prepare(context)  # splits of weight rows ask it for nothing: no calibration pass
+    method, _ = plan.components["mlp"]
+    start = time.perf_counter()
+    for i in plan.targets["mlp"].layers:
+        method.split(i, dense.model.layers[i].mlp.state_dict(), context)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def install_mean_gate_routers(model) -> None:
+    """Router row e = 1e-4 x the mean of expert e's gate rows: tiny, so the weights of the k chosen experts stay
+    uniform."""
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        layer.mlp.gate.weight.copy_(1e-4 * experts.gate_up_proj[:, : experts.intermediate_dim].mean(dim=1))
 
 
 def main():
@@ -63,24 +67,26 @@ def main():
     print(f"held-out text: last 10% of {description}, {chunks.shape[0]} chunks of 256 tokens")
     print(f"dense: ppl {perplexity(model, chunks):.2f}")
 
-    layers = range(model.config.num_hidden_layers)
-    for name in ["random", "gate", "up", "both"]:
-        start = time.perf_counter()
-        splits = {}
-        for i in layers:
-            mlp = model.model.layers[i].mlp
-            if name == "random":
-                splits[i] = split_random(mlp.down_proj.in_features, args.num_experts, seed=i)
-            else:
-                splits[i] = split_cluster(mlp.gate_proj.weight, mlp.up_proj.weight, args.num_experts, cluster_on=name)
-        seconds = time.perf_counter() - start
+    for name, fields in SPLITS.items():
+        recipe = MoERecipe.from_dict(
+            {
+                **fields,
+                "num_experts": args.num_experts,
+                "top_k": max(args.top_k),  # each measurement sets its own top-k
+                "router_init": "zero",  # replaced by the mean-gate-row rule
+                # Output scale N: each of the k chosen experts (weight 1/k) counts N/k, which keeps the dense magnitude.
+                "score_scale_factor": float(args.num_experts),
+            }
+        )
+        seconds = split_seconds(model, recipe)
+        moe = build_moe(model, recipe)
+        install_mean_gate_routers(moe)
         results = []
         for top_k in args.top_k:
-            originals = swap_in_moe(model, splits, top_k)
-            results.append(f"top-{top_k} ppl {perplexity(model, chunks):.2f}")
-            for i, mlp in zip(layers, originals):
-                model.model.layers[i].mlp = mlp
-        print(f"{name}: split {seconds:.1f} s for {len(layers)} layers; " + ", ".join(results), flush=True)
+            for layer in moe.model.layers:
+                layer.mlp.gate.top_k = top_k
+            results.append(f"top-{top_k} ppl {perplexity(moe, chunks):.2f}")
+        print(f"{name}: split {seconds:.1f} s for {len(moe.model.layers)} layers; " + ", ".join(results), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ active" keeps k experts' worth of neurons per token). Routers:
               better, it is the reference the selector is measured against
 
 All rows use unit weights for the selected experts (what G-MoEfication's compensation identity assumes); random and
-k-means are applied with forward hooks on the router (evaluation only). Everything is built in memory.
+k-means are applied with forward hooks on the router (evaluation only). Every model is built in memory by
+`llama_moe_hf.build_moe`; all builds share one calibration context, so the calibration statistics (MLP input samples,
+mean activations, k-means centroids, importance) are computed once for the whole table.
 
     python benchmarks/quality.py                                # the full table of docs/quality.md
     python benchmarks/quality.py --splits cluster --active 6 7 --compensation on --routers selector oracle
@@ -27,20 +29,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.conversion import gmoefication
-from llama_moe_hf.conversion.calibration import collect_calibration, tokenize_calibration
-from llama_moe_hf.conversion.construction import construct_splits, kmeans_router
-from llama_moe_hf.conversion.convert import dense_config_fields
+from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.default_model import default_model_path
-from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
+from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.conversion.sources import default_model_path
 
 NUM_EXPERTS = 8
 SEQ_LEN = 256
 QUESTION = "What is the capital of France?"
 SHARED = {"random": 0, "cluster": 0, "sharing-inter": 1, "residual": 1}  # shared experts of each split
 ROUTERS = ("random", "kmeans", "selector", "oracle")
+SELECTOR_HOLDOUT = 0.1  # `train_layer_selector`'s default: the last 10% of the calibration samples train no selector
 
 
 def log(message: str) -> None:
@@ -86,29 +87,65 @@ def linear_routing(model, weights: dict[int, torch.Tensor]):
             handle.remove()
 
 
-def build_moe(dense, splits, layer_tensors) -> LlamaMoEForCausalLM:
-    """A LlamaMoE model (selector router, compensation on) holding the dense weights cut by `splits`."""
-    split = next(iter(splits.values()))
-    fields = dense_config_fields(dense.config)
-    config = LlamaMoEConfig(
-        **fields,
-        num_experts=split.num_experts,
-        num_experts_per_tok=1,
-        moe_intermediate_size=split.expert_size,
-        num_shared_experts=1 if split.shared_neurons is not None else 0,
-        shared_expert_intermediate_size=split.shared_neurons.numel() if split.shared_neurons is not None else None,
-        router_type="selector",
-        moe_compensation=True,
+def calibration_recipe(args) -> MoERecipe:
+    """The calibration settings of every row: the shared context computes its statistics once, with these."""
+    return MoERecipe(
+        calibration_tokens=args.calibration_tokens, calibration_seq_len=SEQ_LEN, calibration_samples=args.hidden_samples
     )
-    state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
-    for i, tensors in layer_tensors.items():
-        state.update({f"model.layers.{i}.mlp.{name}": tensor for name, tensor in tensors.items()})
-    model = LlamaMoEForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
-        raise RuntimeError(f"State dict mismatch: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    return model
+
+
+def row_recipe(base: MoERecipe, args, method: str, compensation: bool) -> MoERecipe:
+    """The conversion of one split and compensation setting: every layer, 8 experts, unit expert weights."""
+    shared = SHARED[method]
+    # The other routers replace the model's own through hooks: without the selector, a zero router is the cheapest.
+    router_init = "selector" if "selector" in args.routers else "zero"
+    fields = {
+        "method": method,
+        "num_experts": NUM_EXPERTS - shared,
+        "num_shared_experts": shared,
+        "top_k": max(args.active) - shared,  # what the selector's recall is measured at; each row sets its own
+        "router_init": router_init,
+        "score_scale_factor": 1.0,
+        "compensation": compensation,
+    }
+    if method == "cluster":
+        fields["cluster_on"] = args.cluster_on
+    if router_init == "selector":
+        fields["selector_steps"] = args.selector_steps
+    return MoERecipe.from_dict({**base.to_dict(), **fields})
+
+
+def expert_splits(dense, recipe: MoERecipe, context) -> dict:
+    """layer -> the `ExpertSplit` that `build_moe(dense, recipe)` cuts: the oracle needs each expert's neurons, which
+    the built model does not keep. The method's calibration comes from `context`, so nothing is recalibrated."""
+    plan = ConversionPlan.create(recipe, dense.config)
+    plan.prepare(context)
+    method, _ = plan.components["mlp"]
+    return {i: method.split(i, dense.model.layers[i].mlp.state_dict(), context) for i in plan.targets["mlp"].layers}
+
+
+def expert_means(context, splits: dict, compensation: bool) -> dict[int, torch.Tensor]:
+    """layer -> `[E, m]` mean activations of each expert's neurons; zeros without compensation (a dropped expert then
+    loses its whole output)."""
+    if not compensation:
+        return {i: torch.zeros(split.expert_neurons.shape) for i, split in splits.items()}
+    return {i: context.mlp(i).mean_activation[split.expert_neurons] for i, split in splits.items()}
+
+
+@torch.no_grad()
+def selector_recall(model, context, means: dict, top_k: int) -> dict[str, float]:
+    """Energy recall at `top_k` of the built selectors, and of a random choice, on the calibration samples the
+    selectors were not trained on (mean over layers; 1.0 = oracle)."""
+    recalls = {"selector_recall": [], "random_recall": []}
+    for i, mean in means.items():
+        samples = context.mlp(i).hidden_states
+        held_out = samples[max(1, round(samples.shape[0] * (1 - SELECTOR_HOLDOUT))) :]
+        mlp = model.model.layers[i].mlp
+        energy = gmoefication.deviation_energy(held_out, mlp.experts.gate_up_proj, mlp.experts.down_proj, mean)
+        random_scores = torch.rand(energy.shape, generator=torch.Generator().manual_seed(0))
+        recalls["selector_recall"].append(gmoefication.energy_recall(mlp.gate(held_out)[0], energy, top_k))
+        recalls["random_recall"].append(gmoefication.energy_recall(random_scores, energy, top_k))
+    return {key: sum(values) / len(values) for key, values in recalls.items()}
 
 
 def main():
@@ -143,78 +180,34 @@ def main():
     dense_ppl = perplexity(dense, eval_ids)
     dense_answer = chat_answer(dense, tokenizer, args.max_new_tokens)
     log(f"dense perplexity {dense_ppl:.2f}: {dense_answer!r}")
-    stats = collect_calibration(dense, calibration_ids, layers, max_hidden_samples=args.hidden_samples)
-    kmeans_routers = {}  # routed experts -> {layer: centroids}
+    base = calibration_recipe(args)
+    context = CalibrationContext(base, lambda *_: dense, input_ids=calibration_ids, device=str(dense.device))
+    # Every row reads the MLP statistics (compensation, selector, k-means, oracle): one pass records all layers.
+    context.request_mlp(layers)
+    compensations = [setting == "on" for setting in args.compensation]
 
     rows, selector_quality = [], {}
     for method in args.splits:
         shared = SHARED[method]
         routed = NUM_EXPERTS - shared
         log(f"--- split {method} ({routed} routed + {shared} shared)")
-        if method == "random":
-            splits = {i: split_random(dense.config.intermediate_size, routed, shared, seed=i) for i in layers}
-            routers = {}
-        else:
-            splits, routers = construct_splits(
-                dense,
-                method,
-                layers,
-                num_experts=routed,
-                num_shared_experts=shared,
-                input_ids=calibration_ids,
-                stats=stats,
-                **({"cluster_on": args.cluster_on} if method == "cluster" else {}),
-            )
-        if "kmeans" in args.routers and not routers:
-            if routed not in kmeans_routers:
-                log(f"balanced k-means routers ({routed} experts)")
-                kmeans_routers[routed] = {i: kmeans_router(stats[i].hidden_states, routed) for i in layers}
-            routers = kmeans_routers[routed]
+        recipes = {compensation: row_recipe(base, args, method, compensation) for compensation in compensations}
+        splits = expert_splits(dense, recipes[compensations[0]], context)  # the same for both compensation settings
+        random_weights = {
+            i: torch.randn(routed, dense.config.hidden_size, generator=torch.Generator().manual_seed(i)) for i in layers
+        }
+        linear_weights = {"random": random_weights}
+        if "kmeans" in args.routers:
+            linear_weights["kmeans"] = {i: context.kmeans_centroids(i, routed) for i in layers}
 
-        # Per compensation setting: the layer tensors (compensation table, selector trained for that setting).
-        layer_tensors = {False: {}, True: {}}
-        for compensation in [setting == "on" for setting in args.compensation]:
-            recalls = []
-            for i in layers:
-                mlp = dense.model.layers[i].mlp
-                weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-                tensors = build_expert_tensors(*weights, splits[i])
-                extra, quality = gmoefication.gmoefication_tensors(
-                    stats[i].hidden_states,
-                    stats[i].mean_activation,
-                    splits[i],
-                    tensors,
-                    mlp.down_proj.weight,
-                    compensation=compensation,
-                    selector="selector" in args.routers,
-                    top_k=max(args.active) - shared,
-                    selector_steps=args.selector_steps,
-                )
-                # One model class for both settings: a zero table is exactly "no compensation".
-                extra.setdefault("compensation", torch.zeros(routed, dense.config.hidden_size))
-                layer_tensors[compensation][i] = {**tensors, **extra}
-                recalls.append(quality)
-            if recalls and recalls[0]:
-                selector_quality[(method, compensation)] = {
-                    key: sum(q[key] for q in recalls) / len(recalls) for key in recalls[0]
-                }
+        for compensation, recipe in recipes.items():
+            model = build_moe(dense, recipe, context=context)  # the selector trained for this compensation setting
+            means = expert_means(context, splits, compensation)
+            if "selector" in args.routers:
+                selector_quality[(method, compensation)] = selector_recall(model, context, means, recipe.top_k)
                 log(
                     f"selector ({'with' if compensation else 'no'} compensation) {selector_quality[(method, compensation)]}"
                 )
-
-        for compensation in [setting == "on" for setting in args.compensation]:
-            model = build_moe(dense, splits, layer_tensors[compensation])
-            means = {
-                i: stats[i].mean_activation[splits[i].expert_neurons]
-                if compensation
-                else torch.zeros(splits[i].expert_neurons.shape)
-                for i in layers
-            }
-            random_weights = {
-                i: torch.randn(routed, dense.config.hidden_size, generator=torch.Generator().manual_seed(i))
-                for i in layers
-            }
-            linear_weights = {"random": random_weights, "kmeans": routers}
             for active in args.active:
                 for layer in model.model.layers:
                     layer.mlp.gate.top_k = active - shared
@@ -232,6 +225,7 @@ def main():
                         )
                     rows.append((method, active, compensation, router, ppl, answer))
                     log(f"{method} {active}/8 comp={compensation} {router}: ppl {ppl:.2f} {answer!r}")
+    context.release()
 
     oracle = {(m, a, c): p for m, a, c, r, p, _ in rows if r == "oracle"}
     print(f"\nDense SmolLM2-135M-Instruct: perplexity {dense_ppl:.2f}; answer: {dense_answer!r}\n")

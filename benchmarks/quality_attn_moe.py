@@ -7,7 +7,7 @@ routers are calibrated on the first 90%. Attention experts keep `attention_score
 near-uniform router the kept heads have weight ~1, as in the dense model. Routers:
 
     random  normal(0, 0.02): near-uniform weights, an essentially random choice of experts per token
-    fit     `fit_attention_routers`: ridge regression of each expert's output norm on the attention input
+    fit     `attn_router_init="fit"`: ridge regression of each expert's output norm on the attention input
     oracle  top-k experts by their actual output norm (computed densely per token): a reference, not a model
 """
 
@@ -19,11 +19,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from llama_moe_hf.conversion.attention import attn_moe_from_dense, expert_output_norms, fit_attention_routers
-from llama_moe_hf.conversion.calibration import tokenize_calibration
+from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.conversion.attention_fit import expert_output_norms
+from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.default_model import default_model_path
-from llama_moe_hf.conversion.experts import split_random
+from llama_moe_hf.conversion.sources import default_model_path
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
@@ -90,35 +90,40 @@ def main():
         print(f"| {name} | {value:.2f} |  ({time.perf_counter() - start:.0f} s)", flush=True)
 
     report("dense", dense)
-    fitted = {e: fit_attention_routers(dense, calibration, num_experts=e) for e in (3, 9)}
+    # One calibration context per expert count: the builds that share it fit their routers on one pass (a context
+    # keys the fit's statistics by layer only, so the two counts cannot share one).
+    contexts = {
+        e: CalibrationContext(MoERecipe(), lambda *_: dense, input_ids=calibration, device=str(dense.device))
+        for e in (3, 9)
+    }
     for num_experts, top_k in ((3, 1), (3, 2), (9, 3), (9, 6)):
-        fields = dict(
-            num_attention_experts=num_experts, num_attention_experts_per_tok=top_k,
-            attention_score_scale_factor=float(top_k),
-        )
+        fields = {"attn_experts": num_experts, "attn_top_k": top_k, "attn_score_scale_factor": float(top_k)}
         for router in ("random", "fit", "oracle"):
-            routers = fitted[num_experts] if router == "fit" else None
-            model = attn_moe_from_dense(dense, router_init="random", routers=routers, **fields)
+            init = "fit" if router == "fit" else "random"
+            model = build_moe(dense, context=contexts[num_experts], attn_router_init=init, **fields)
             if router == "oracle":
                 install_oracle(model, top_k)
             report(f"attention {num_experts}top{top_k}, {router} router", model)
             del model
 
     # MLP MoE alone and combined: LLaMA-MoE random split of the FFN into 8 experts, top-2, random MLP router.
-    splits = {i: split_random(dense.config.intermediate_size, 8, seed=i) for i in range(dense.config.num_hidden_layers)}
-    mlp = dict(moe_layers=list(splits), num_experts=8, num_experts_per_tok=2, score_scale_factor=2.0, mlp_splits=splits)
-    all_heads = dict(num_attention_experts=9, num_attention_experts_per_tok=9, attention_score_scale_factor=9.0)
-    no_routing = {i: torch.zeros(9, dense.config.hidden_size) for i in splits}  # all 9 heads, weight 1/9 * 9
-    report("MLP 8top2 (random split, random router), attention dense",
-           attn_moe_from_dense(dense, routers=no_routing, **all_heads, **mlp))
+    mlp = {"method": "random", "num_experts": 8, "top_k": 2, "score_scale_factor": 2.0, "router_init": "random"}
+    report("MLP 8top2 (random split, random router), attention dense", build_moe(dense, **mlp))
     for router in ("random", "fit"):
-        routers = fitted[9] if router == "fit" else None
-        model = attn_moe_from_dense(
-            dense, router_init="random", routers=routers, num_attention_experts=9, num_attention_experts_per_tok=6,
-            attention_score_scale_factor=6.0, **mlp,
+        model = build_moe(
+            dense,
+            context=contexts[9],
+            mlp_moe=True,
+            attn_experts=9,
+            attn_top_k=6,
+            attn_score_scale_factor=6.0,
+            attn_router_init=router,
+            **mlp,
         )
         report(f"MLP 8top2 + attention 9top6, {router} attention router", model)
         del model
+    for context in contexts.values():
+        context.release()
 
     print("\n| model | held-out perplexity |\n|---|---|")
     for name, value in rows:

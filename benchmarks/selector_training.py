@@ -23,11 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf.conversion import gmoefication as g
-from llama_moe_hf.conversion.calibration import collect_calibration, tokenize_calibration
-from llama_moe_hf.conversion.construction import split_cluster
+from llama_moe_hf.conversion.calibration import tokenize_calibration
+from llama_moe_hf.conversion.clustering import split_cluster
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.default_model import default_model_path
 from llama_moe_hf.conversion.experts import build_expert_tensors
+from llama_moe_hf.conversion.sources import default_model_path
+from llama_moe_hf.conversion.statistics import collect_calibration
 
 TOP_K = (2, 4, 6, 7)
 OBJECTIVES = ("bce-adam", "bce-lbfgs", "listwise-lbfgs")
@@ -70,7 +71,7 @@ def main():
     input_ids = tokenize_calibration(
         texts[: int(0.9 * len(texts))], AutoTokenizer.from_pretrained(path), args.calibration_tokens, 256
     )
-    stats = collect_calibration(dense, input_ids, args.layers, max_hidden_samples=args.calibration_tokens)
+    stats = collect_calibration(dense, input_ids, args.layers, max_hidden_samples=args.calibration_tokens).mlp
 
     results = {}  # (objective, n) -> {k: [ratio per layer]}
     for layer in args.layers:

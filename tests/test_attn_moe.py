@@ -280,6 +280,18 @@ def test_combined_with_mlp_moe_reports_both_router_groups():
     assert not isinstance(model.model.layers[0].self_attn, AttnMoEAttention)
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "llama_moe_cpu"])
+def test_mlp_experts_implementation_can_be_switched(implementation):
+    model = build_moe(dense_model(), attn_experts=2, mlp_moe=True, num_experts=4)
+    ids = batch_of_ids()
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        expected = model(ids).logits
+        model.set_experts_implementation(implementation)
+        assert model.model.layers[0].mlp.experts.config._experts_implementation == implementation
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_attention_balance_and_z_losses_reach_the_gradients_in_training():
     """With an MLP MoE, `router_logits` (what the head and TRL weight) are the MLP routers': the attention routers'
     balance loss and every router's z-loss are attached to the graph instead."""

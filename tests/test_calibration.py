@@ -215,7 +215,7 @@ def test_context_loads_once_runs_one_pass_and_releases(tiny_model, monkeypatch):
     monkeypatch.setattr(calibration, "collect_calibration", lambda *a, **k: passes.append(k) or collect(*a, **k))
     context = CalibrationContext(
         MoERecipe(calibration_samples=16),
-        lambda dtype: loads.append(dtype) or tiny_model,
+        lambda dtype, device: loads.append(dtype) or tiny_model,
         input_ids=input_ids,
         progress=False,
     )
@@ -226,11 +226,13 @@ def test_context_loads_once_runs_one_pass_and_releases(tiny_model, monkeypatch):
     context.request_sequence_embeddings()
     context.collect()
     assert len(loads) == 1 and len(passes) == 1
-    assert context.mlp(0).hidden_states.shape == (16, 64) and context.attention(1).cross.shape == (64, 4)
+    assert context.mlp(0).hidden_states.shape == (16, 64) and context.attention(1, 4).cross.shape == (64, 4)
     assert context.sequence_embeddings().shape == (4, 64) and len(passes) == 1  # results, no new pass
     first = context.importance("all", [1], num_groups=1)
     assert context.importance("all", [1], num_groups=1) is first and len(passes) == 2  # cached
     assert torch.equal(context.kmeans_centroids(0, 2), context.kmeans_centroids(0, 2)) and len(loads) == 1
+    assert context.attention(1, 2).cross.shape == (64, 2) and len(passes) == 3  # another expert count: a new pass
+    assert context.attention(1, 4).cross.shape == (64, 4)
     context.release()
     assert context.mlp(1).mean_activation.shape == (96,)  # recorded statistics stay
     with pytest.raises(RuntimeError, match="released"):  # a new pass would need the model again

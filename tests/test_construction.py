@@ -241,7 +241,7 @@ def tiny():
 def calibrated_split(model, input_ids, **fields):
     """The split and k-means centroids a recipe's method computes on `model` (the converter's plan and context)."""
     plan = ConversionPlan.create(MoERecipe.from_dict(fields), model.config)
-    context = CalibrationContext(plan.recipe, lambda dtype: model, input_ids=input_ids, batch_size=3, progress=False)
+    context = CalibrationContext(plan.recipe, lambda *_: model, input_ids=input_ids, batch_size=3, progress=False)
     plan.prepare(context)
     method, _ = plan.components["mlp"]
     mlps = {i: model.model.layers[i].mlp for i in plan.targets["mlp"].layers}
@@ -394,7 +394,7 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
 
     loads, passes = [], []
     load_model, collect = FolderSource.load_model, calibration.collect_calibration
-    monkeypatch.setattr(FolderSource, "load_model", lambda self, dtype=None: loads.append(1) or load_model(self, dtype))
+    monkeypatch.setattr(FolderSource, "load_model", lambda self, *args: loads.append(1) or load_model(self, *args))
     monkeypatch.setattr(calibration, "collect_calibration", lambda *a, **k: passes.append(k) or collect(*a, **k))
     dense_path, _, _ = tiny_dense
     result = convert_to_moe(

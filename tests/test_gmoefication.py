@@ -1,5 +1,7 @@
 """G-MoEfication: compensation identities, the selector router, the oracle, on tiny models and on real SmolLM2."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,3 +295,17 @@ def test_cli_compensation_and_selector_keep_the_dense_identity_with_every_expert
         torch.testing.assert_close(model(input_ids).logits, reference, atol=1e-4, rtol=0)
 
     assert main(["convert", "--output", str(tmp_path / "bad"), "--router-type", "switch", *common]) == 2
+
+
+def test_compensation_alone_calibrates_its_mean_activations(tiny_dense, tiny_calibration, tmp_path):
+    """A random split with compensation: no method or router asks for statistics, the compensation table does."""
+    from safetensors.torch import load_file
+
+    from llama_moe_hf import convert_to_moe
+
+    result = convert_to_moe(tiny_dense[0], tmp_path / "moe", method="random", num_experts=4, compensation=True,
+                            calibration_data=str(tiny_calibration), calibration_tokens=256, calibration_seq_len=32,
+                            progress=False)  # fmt: skip
+    assert load_file(result.output_dir / "model.safetensors")["model.layers.1.mlp.compensation"].abs().sum() > 0
+    info = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]
+    assert info["calibration_data"].startswith("local file")

@@ -2,6 +2,7 @@
 and shows in the card and `info`; settings are checked in one place; a saved recipe rebuilds byte-identical weights."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +204,12 @@ def test_refused_before_the_source_is_opened(tmp_path):
     with pytest.raises(ValueError, match="Unknown recipe keys \\['colour'\\]"):
         convert_to_moe(None, tmp_path / "out", colour="blue")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "recipes" / "convert").glob("*.yaml")), ids=str)
+def test_shipped_recipe_files_resolve_for_the_default_model(path, smollm2_path):
+    from transformers import AutoConfig
+
+    recipe, run = load_recipe(path)
+    resolved = resolve_recipe(recipe, AutoConfig.from_pretrained(smollm2_path), RunOptions(**run))
+    assert resolved.method == recipe.method and set(run) <= {"dtype"}

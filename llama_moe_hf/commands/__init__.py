@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (args,) = build_parser().parse_args_and_config(argv)
         COMMANDS[args.command].run(args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError) as error:  # bad input, files, a missing optional package
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

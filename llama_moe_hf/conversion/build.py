@@ -54,14 +54,17 @@ def build_moe(
             device=str(device),
             progress=progress,
         )
+    elif not context.serves(plan.recipe):
+        raise ValueError("The calibration context was made for other calibration settings than this recipe's.")
     plan.prepare(context)
     if owned:
         context.release()
+    state = dict(plan.tensors(source, context))
     plan.config.conversion_info = plan.conversion_info(source.description, context)
     parameter = next(dense_model.parameters())
     with no_init_weights(), torch.device(parameter.device):
         model = plan.family.model_class()(plan.config).to(parameter.dtype)
-    missing, _ = model.load_state_dict(dict(plan.tensors(source, context)), strict=False)  # copies: nothing shared
+    missing, _ = model.load_state_dict(state, strict=False)  # copies: the MoE model shares nothing with the dense one
     if set(missing) - {"lm_head.weight"} or ("lm_head.weight" in missing) != plan.config.tie_word_embeddings:
         raise RuntimeError(f"The built model lacks {missing}.")
     model.tie_weights()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .corpus import stdlib_docstrings
+from .attention_fit import AttentionCalibration
 from .statistics import CalibrationStatistics, LayerCalibration, collect_calibration
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,14 @@ def tokenize_calibration(texts: list[str], tokenizer, num_tokens: int, seq_len: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def data_path(recipe) -> str | None:
+    """The recipe's calibration data, a local file or folder as its full path (a recipe is portable that way)."""
+    data = recipe.calibration_data
+    if data is not None and Path(data).expanduser().exists():
+        return str(Path(data).expanduser().resolve())
+    return data
+
+
 class CalibrationContext:
     """What one conversion learns from running the dense model: computed once, passed explicitly to the components.
 
@@ -214,10 +223,17 @@ class CalibrationContext:
         self.device, self.batch_size, self.progress = device, batch_size, progress
         self.statistics = CalibrationStatistics()
         self._mlp_requests: set[int] = set()
-        self._attention_requests: dict[int, int] = {}  # layer -> attention experts
+        self._attention_requests: set[tuple[int, int]] = set()  # (layer, attention experts)
+        self._attention: dict[tuple[int, int], AttentionCalibration] = {}
         self._embeddings_requested = False
         self._importance: dict[str, dict[int, LayerCalibration]] = {}
         self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
+
+    def serves(self, recipe) -> bool:
+        """Whether this context's statistics are those `recipe`'s calibration settings give (to share it)."""
+        fields = ("calibration_tokens", "calibration_seq_len", "calibration_samples", "seed")
+        same_data = self.data_description == "given token ids" or data_path(self.recipe) == data_path(recipe)
+        return same_data and all(getattr(self.recipe, f) == getattr(recipe, f) for f in fields)
 
     # Requests, then one pass ---------------------------------------------------------------------------------
 
@@ -227,7 +243,7 @@ class CalibrationContext:
 
     def request_attention(self, layers, num_experts: int) -> None:
         """The attention-router fit statistics of `layers` for `num_experts` attention experts (`attention(layer)`)."""
-        self._attention_requests.update({layer: num_experts for layer in layers})
+        self._attention_requests.update((layer, num_experts) for layer in layers)
 
     def request_sequence_embeddings(self) -> None:
         self._embeddings_requested = True
@@ -236,7 +252,9 @@ class CalibrationContext:
         """Record everything requested and not recorded yet, in one pass (nothing to do: no model is loaded)."""
         stats = self.statistics
         mlp = sorted(self._mlp_requests - stats.mlp.keys())
-        attention = {i: e for i, e in self._attention_requests.items() if i not in stats.attention}
+        attention = {}  # one expert count per layer and pass (more only when builds with other counts share a context)
+        for layer, experts in sorted(self._attention_requests - self._attention.keys()):
+            attention.setdefault(layer, experts)
         embeddings = self._embeddings_requested and stats.sequence_embeddings is None
         if not (mlp or attention or embeddings):
             return
@@ -252,9 +270,10 @@ class CalibrationContext:
             progress=self.progress,
         )
         stats.mlp.update(new.mlp)
-        stats.attention.update(new.attention)
+        self._attention.update({(layer, attention[layer]): value for layer, value in new.attention.items()})
         if embeddings:
             stats.sequence_embeddings = new.sequence_embeddings
+        self.collect()  # attention statistics for a second expert count of the same layer, if any
 
     # Results ---------------------------------------------------------------------------------------------------
 
@@ -263,9 +282,10 @@ class CalibrationContext:
         self.collect()
         return self.statistics.mlp[layer]
 
-    def attention(self, layer: int):
+    def attention(self, layer: int, num_experts: int) -> AttentionCalibration:
+        self.request_attention([layer], num_experts)
         self.collect()
-        return self.statistics.attention[layer]
+        return self._attention[layer, num_experts]
 
     def sequence_embeddings(self) -> torch.Tensor:
         self.request_sequence_embeddings()
@@ -313,8 +333,7 @@ class CalibrationContext:
             raise RuntimeError("The dense model was released: request calibration statistics before prepare().")
         if self._model is None:
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            model = self._load_model(None if device != "cpu" else torch.float32)
-            self._model = model.to(device)
+            self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
         return self._model
 
     @property

@@ -29,7 +29,12 @@ def balanced_kmeans(
     num_points = points.shape[0]
     if num_points < num_clusters:
         raise ValueError(f"Balanced k-means needs at least {num_clusters} points, got {num_points}.")
-    from k_means_constrained import KMeansConstrained
+    try:
+        from k_means_constrained import KMeansConstrained
+    except ImportError:
+        raise ImportError(
+            "Balanced k-means needs the k-means-constrained package: pip install 'llama-moe-hf[calibration]'."
+        ) from None
 
     kmeans = KMeansConstrained(
         n_clusters=num_clusters,

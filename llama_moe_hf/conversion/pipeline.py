@@ -77,7 +77,6 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
-    plan.config.conversion_info = plan.conversion_info(source.description, context)
     result = _write(plan, source, context, output)
     if run.push_to_hub:
         from .hub import push_folder
@@ -99,6 +98,7 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
             writer.add(name, tensor)
         total, active = count_parameters(plan.config, writer.shapes)
         writer.close(total_parameters=total)
+        plan.config.conversion_info = plan.conversion_info(source.description, context)  # what the layers reported
         plan.meta_model.add_auto_map()  # every head of the family, not only the causal LM
         custom_object_save(plan.meta_model, tmp, config=plan.config)  # the modeling code next to the weights
         plan.config.save_pretrained(tmp)

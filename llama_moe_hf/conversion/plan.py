@@ -8,8 +8,8 @@ plan.tensors(source, context)           the output checkpoint's tensors, one dec
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
+from .calibration import data_path
 from .choices import ROUTER_TYPES
 from .layer_patterns import layer_terms, parse_moe_layers
 from .recipe import MoERecipe, RunOptions, check_types
@@ -30,9 +30,7 @@ def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None 
     if run is not None:
         check_types(run)
     _check_numbers(recipe, run)
-    data = recipe.calibration_data
-    if data is not None and Path(data).expanduser().exists():  # a local file: where it is, wherever the recipe goes
-        recipe = dataclasses.replace(recipe, calibration_data=str(Path(data).expanduser().resolve()))
+    recipe = dataclasses.replace(recipe, calibration_data=data_path(recipe))
     family = FAMILIES[recipe.family or _family_of(recipe)]()
     options = {**family.default_options(), **recipe.options}
     recipe = dataclasses.replace(recipe, family=family.name, options=options)
@@ -225,6 +223,8 @@ class ConversionPlan:
         for method, router in self.components.values():
             method.request(context)
             router.request(context)
+        if self.recipe.compensation:  # each expert's mean output: the layers' mean activations
+            context.request_mlp(self.targets[MLP].layers)
         context.collect()
         for method, router in self.components.values():
             method.prepare(context)

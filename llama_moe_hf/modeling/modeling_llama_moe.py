@@ -429,6 +429,12 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
         self.add_auto_map()
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides by searching the class's module source for `@use_experts_implementation`; AttnMoE's
+        # file has no experts class of its own (its MLP experts are these), so every family here says yes.
+        return True
+
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         # transformers would default to grouped_mm everywhere; `llama_moe_auto` keeps it off CPU only.
         return super().get_correct_experts_implementation(requested_experts or "llama_moe_auto")

@@ -29,4 +29,5 @@ class FitRouter(RouterInit):
         from ..attention_fit import fit_attention_router
 
         o = self.options
-        return {"weight": fit_attention_router(context.attention(layer_idx), o.attn_fit_ridge, o.attn_fit_logit_std)}
+        stats = context.attention(layer_idx, self.target.num_experts)
+        return {"weight": fit_attention_router(stats, o.attn_fit_ridge, o.attn_fit_logit_std)}

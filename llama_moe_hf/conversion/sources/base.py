@@ -41,8 +41,8 @@ class DenseSource:
         """Write the tokenizer files (with the chat template) and generation_config.json into `out_dir`."""
         raise NotImplementedError
 
-    def load_model(self, dtype: torch.dtype | None = None):
-        """The whole dense model in memory, for methods that need calibration forward passes."""
+    def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
+        """The whole dense model in memory (on `device`, in `dtype`), for the calibration passes."""
         raise NotImplementedError
 
     def load_tokenizer(self):

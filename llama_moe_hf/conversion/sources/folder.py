@@ -126,10 +126,10 @@ class FolderSource(DenseSource):
         else:
             GenerationConfig.from_model_config(self.config).save_pretrained(out_dir)
 
-    def load_model(self, dtype: torch.dtype | None = None):
+    def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
         from transformers import LlamaForCausalLM
 
-        return LlamaForCausalLM.from_pretrained(self.path, dtype=dtype or self.dtype).eval()
+        return LlamaForCausalLM.from_pretrained(self.path, dtype=dtype or self.dtype, device_map=device).eval()
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -58,8 +58,8 @@ class GGUFSource(DenseSource):
         self._tokenizer.save_pretrained(out_dir)
         self._model.generation_config.save_pretrained(out_dir)
 
-    def load_model(self, dtype: torch.dtype | None = None):
-        return self._model if dtype in (None, self._model.dtype) else self._model.to(dtype)
+    def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
+        return self._model.to(device=device, dtype=dtype or self._model.dtype)
 
     def load_tokenizer(self):
         return self._tokenizer

@@ -23,8 +23,8 @@ class ModelSource(DenseSource):
     def tensor(self, name: str) -> torch.Tensor:
         return self._state[name].detach()
 
-    def load_model(self, dtype: torch.dtype | None = None):
-        return self._model
+    def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
+        return self._model  # the caller's model, as it is: never moved or cast
 
     def load_tokenizer(self):
         if self._tokenizer is None:

@@ -1,0 +1,128 @@
+"""GPU checks of every model family: attention kernels, expert kernels, bf16, static cache, torch.compile, determinism.
+
+Run it wherever a CUDA GPU is available (it needs no download: the models are random, or `--model` converts a local
+dense checkpoint). Every family (LlamaMoE; AttnMoE, masked and gathered, with an MLP MoE) is built in memory and, in
+bfloat16 on the GPU, compared with itself under the `eager` attention:
+
+    attention   sdpa, flash_attention_2 (when the flash-attn package is installed), flex_attention
+    experts     llama_moe_auto (grouped_mm on CUDA), grouped_mm, batched_mm, eager: logits against the eager loop
+    generation  static-cache greedy tokens equal the dynamic cache's; a torch.compile'd (inductor, fullgraph)
+                decoding step equals the eager step
+    determinism with torch.use_deterministic_algorithms(True), two forwards of the default path are bitwise equal
+
+    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --model path/to/dense/llama --skip-compile
+"""
+
+import argparse
+import importlib.util
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
+
+from llama_moe_hf import build_moe
+
+# family -> (routed recipe, the same with every expert selected). Kernel comparisons use the second: in bf16 an
+# untrained router's near-ties flip expert choices between kernels, which would hide the kernels' own error.
+# Generation and compile checks use the first.
+ATTENTION = dict(attn_experts=4, mlp_moe=True, num_experts=8)
+FAMILIES = {
+    "llama_moe": (dict(num_experts=7, top_k=2, num_shared_experts=1),
+                  dict(num_experts=7, top_k=7, num_shared_experts=1, router_init="zero")),
+    "attn_moe masked": (dict(**ATTENTION, attn_top_k=2, top_k=2),
+                        dict(**ATTENTION, attn_top_k=4, top_k=8, router_init="zero", attn_router_init="zero")),
+}  # fmt: skip
+FAMILIES["attn_moe gathered"] = FAMILIES["attn_moe masked"]
+
+
+def dense_model(args):
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    config = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def compare(name, got, expected, report, tolerance=0.02):
+    """Relative error of the logits, ||got - expected|| / ||expected|| (bf16 rounding alone gives about 0.5%)."""
+    got, expected = got.float(), expected.float()
+    relative = ((got - expected).norm() / expected.norm()).item()
+    agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    report.append((name, f"relative error {relative:.2e}, top-1 agreement {agreement:.3f}", relative < tolerance))
+
+
+def build(family, fields, dense, args):
+    model = build_moe(dense, **fields).to(args.device, torch.bfloat16)
+    if family.endswith("gathered"):
+        model.config.attention_experts_implementation = "gathered"
+    return model
+
+
+@torch.no_grad()
+def check_family(family, dense, input_ids, args, report):
+    routed, every_expert = FAMILIES[family]
+    model = build(family, every_expert, dense, args)
+    model.set_attn_implementation("eager")
+    reference = model(input_ids).logits
+    attention = ["sdpa", "flex_attention"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+    for implementation in attention:
+        model.set_attn_implementation(implementation)
+        compare(f"{family}: attention {implementation} vs eager", model(input_ids).logits, reference, report)
+    model.set_attn_implementation("sdpa")
+    sdpa = model(input_ids).logits
+    for implementation in ("grouped_mm", "batched_mm", "eager", "llama_moe_auto"):
+        model.set_experts_implementation(implementation)
+        compare(f"{family}: experts {implementation} vs the default", model(input_ids).logits, sdpa, report)
+    model = build(family, routed, dense, args)
+    check_generation(family, model, input_ids[:1, :16], args, report)
+    torch.use_deterministic_algorithms(True)
+    try:
+        same = torch.equal(model(input_ids).logits, model(input_ids).logits)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    report.append((f"{family}: deterministic default path", "bitwise equal" if same else "DIFFERENT", same))
+
+
+def check_generation(family, model, prompt, args, report):
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(prompt, **kwargs)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    same = torch.equal(dynamic, static)
+    report.append((f"{family}: static cache greedy tokens", "equal" if same else "DIFFERENT", same))
+    if args.skip_compile:
+        return
+    caches = [StaticCache(config=model.config, max_cache_len=64) for _ in range(2)]
+    for cache in caches:
+        model(prompt, past_key_values=cache, use_cache=True)
+    step = prompt[:, -1:]
+    expected = model(step, past_key_values=caches[0], use_cache=True).logits
+    compiled = torch.compile(model.forward, fullgraph=True)
+    compare(f"{family}: compiled decoding step", compiled(input_ids=step, past_key_values=caches[1], use_cache=True).logits,
+            expected, report)  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a local dense LLaMA checkpoint (default: a random 4-layer model)")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cpu runs the same checks (a smoke test of this script)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check.py needs a CUDA GPU; none is visible here (--device cpu runs it on the CPU).")
+    dense = dense_model(args)
+    input_ids = torch.randint(0, dense.config.vocab_size, (2, args.tokens), device=args.device)
+    report = []
+    for family in FAMILIES:
+        check_family(family, dense, input_ids, args, report)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{device} | torch {torch.__version__}")
+    for name, result, ok in report:
+        print(f"{'ok ' if ok else 'BAD'}  {name}: {result}")
+    if not all(ok for _, _, ok in report):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
