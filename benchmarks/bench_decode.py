@@ -65,7 +65,6 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
     """Milliseconds per decoding step by module kind, from forward hooks (which add a little time themselves)."""
     import collections
 
-    import torch
     from transformers import DynamicCache
 
     spent, started = collections.defaultdict(float), {}

@@ -14,13 +14,13 @@ import argparse
 import time
 
 import torch
+from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
 from llama_moe_hf.conversion.plan import ConversionPlan
 from llama_moe_hf.conversion.sources import default_model_path
-from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
 SPLITS = {
     "random": {"method": "random"},

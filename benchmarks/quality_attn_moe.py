@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -25,7 +26,6 @@ from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_cal
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.sources import default_model_path
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
-from quality import perplexity  # same folder: the one perplexity of the quality benchmarks
 
 
 class OracleRouter(nn.Module):

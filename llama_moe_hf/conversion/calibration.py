@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .corpus import stdlib_docstrings
 from .attention_fit import AttentionCalibration
+from .corpus import stdlib_docstrings
 from .statistics import CalibrationStatistics, LayerCalibration, collect_calibration
 
 logger = logging.getLogger(__name__)
