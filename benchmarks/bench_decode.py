@@ -4,7 +4,8 @@ The dense SmolLM2-135M-Instruct and the same model split into 8 experts with top
 split, random router) run side by side in each process, interleaved round by round so that machine load falls on
 both alike. Batch 1, float32, greedy, a chat prompt. Decoding: `generate` with a fixed number of new tokens.
 Prefill: one forward of 512 tokens with a cache, keeping the last token's logits (what `generate` does first).
-`--profile` also times one decoding step by module (attention, MLP or MoE block, norms, LM head, the rest).
+`--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
+inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
 
 Timings on a shared VM can be bimodal across processes (docs/benchmarks.md): `--processes N` repeats the whole
 measurement in N fresh processes and reports the median ratio and the spread.
@@ -80,6 +81,9 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
         timed("mlp", layer.mlp)
         timed("norms", layer.input_layernorm)
         timed("norms", layer.post_attention_layernorm)
+        if hasattr(layer.mlp, "gate"):  # inside the MoE block (not added to the total again)
+            timed("mlp: router", layer.mlp.gate)
+            timed("mlp: experts", layer.mlp.experts)
     timed("lm_head", model.lm_head)
     cache = DynamicCache(config=model.config)
     token = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -89,7 +93,7 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
         token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     total = (time.perf_counter() - start) / steps * 1e3
     profile = {kind: value / steps * 1e3 for kind, value in spent.items()}
-    profile["rest"] = total - sum(profile.values())
+    profile["rest"] = total - sum(value for kind, value in profile.items() if not kind.startswith("mlp:"))
     profile["step"] = total
     return profile
 

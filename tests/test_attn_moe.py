@@ -450,6 +450,18 @@ def test_fitted_router_prefers_the_experts_with_the_largest_outputs(smollm2, rea
     assert overlap > 0.5
 
 
+@torch.no_grad()
+def test_gathered_attention_still_returns_attention_weights_when_asked():
+    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2)
+    model.config.attention_experts_implementation = "gathered"
+    model.set_attn_implementation("eager")
+    ids = batch_of_ids()
+    assert len(model(ids, output_attentions=True).attentions) == 2
+    model.config.output_attentions = True  # asked through the config, not the call
+    assert len(model(ids).attentions) == 2
+    assert "layers.*.mlp.experts" not in model.config.base_model_tp_plan  # a dense MLP: no expert rules
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("num_experts, top_k", [(2, 1), (8, 3)])
 def test_gathered_implementation_equals_masked(implementation, num_experts, top_k):

@@ -442,18 +442,25 @@ def test_sequence_and_token_classification_heads(tmp_path):
         assert head.eval()(input_ids).logits.shape == shape
 
 
-def test_parallel_plans_name_real_parameters():
-    """Every rule of the tensor- and expert-parallel plans matches parameters of a model with shared experts, dense
-    layers and MoE layers (an unmatched rule is a silent no-op)."""
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"num_shared_experts": 1, "moe_layers": [1]}, {"moe_layers": [0, 1], "num_shared_experts": 2}],
+    ids=["all-moe", "shared-and-dense", "shared"],
+)
+def test_parallel_plans_name_real_parameters(fields):
+    """Every rule of the tensor- and expert-parallel plans matches parameters or modules of the model its config
+    builds (transformers' common tests treat a rule that matches nothing as a mistake)."""
     import re
 
-    model = tiny_moe(num_shared_experts=1, moe_layers=[1])
-    names = [re.sub(r"\.\d+\.", ".*.", name) for name, _ in model.model.named_parameters()]
-    modules = [re.sub(r"\.\d+\.", ".*.", name) for name, _ in model.model.named_modules()]
+    model = tiny_moe(**fields)
+    names = {
+        re.sub(r"\.\d+\.", ".*.", name) for name, _ in [*model.model.named_parameters(), *model.model.named_modules()]
+    }
     for plan in (model.config.base_model_tp_plan, model.config.base_model_ep_plan):
         for pattern in plan:
-            assert any(n == pattern or n.startswith(pattern + ".") for n in names + modules), pattern
+            assert any(n == pattern or n.startswith(pattern + ".") for n in names), pattern
     assert {"layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts"} <= set(model.config.base_model_tp_plan)
+    assert ("layers.*.mlp.shared_experts.up_proj" in model.config.base_model_tp_plan) == bool(fields)
 
 
 def test_save_and_load_round_trip(tmp_path):

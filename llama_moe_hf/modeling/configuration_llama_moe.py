@@ -54,7 +54,8 @@ class LlamaMoEConfig(LlamaConfig):
 
     model_type = "llama_moe"
     # Tensor and expert parallelism as in Mixtral / Qwen2-MoE; `mlp.gate_proj` etc. are the dense layers outside
-    # `moe_layers`. Routers and the compensation table stay replicated.
+    # `moe_layers`. Routers and the compensation table stay replicated. Each config keeps the rules for the modules it
+    # builds (`__post_init__`): transformers treats a rule that matches nothing as a mistake.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -107,6 +108,17 @@ class LlamaMoEConfig(LlamaConfig):
         super().__post_init__(**kwargs)
         # Checked here too (not only in the strict validator, which wraps errors) so users get a plain ValueError.
         self.validate_moe()
+        self.base_model_tp_plan = {k: v for k, v in type(self).base_model_tp_plan.items() if self._builds(k)}
+
+    def _builds(self, rule: str) -> bool:
+        """Whether this config's model has the modules a parallel-plan rule names."""
+        if ".mlp.shared_experts." in rule:
+            return bool(self.moe_layers) and self.num_shared_experts > 0
+        if ".mlp.experts" in rule:
+            return bool(self.moe_layers)
+        if ".mlp." in rule:  # the dense MLP of layers outside `moe_layers`
+            return len(self.moe_layers) < self.num_hidden_layers
+        return True
 
     def validate_architecture(self):
         """Part of `@strict` validation."""

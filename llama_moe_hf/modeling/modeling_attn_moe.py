@@ -184,7 +184,7 @@ class AttnMoEAttention(LlamaAttention):
             and type(self.q_proj) is nn.Linear
             and type(self.o_proj) is nn.Linear
             and not (self.training and self.attention_dropout > 0)
-            and not kwargs.get("output_attentions")
+            and not (kwargs.get("output_attentions") or self.config.output_attentions)
             and not (past_key_values is not None and past_key_values.is_compileable)
             and not is_torchdynamo_compiling()
         )
