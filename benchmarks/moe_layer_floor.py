@@ -10,6 +10,8 @@ shapes and the same cold-cache, round-robin timing, so a target ratio can be che
                      largest count (the form our default uses for up to 128 rows per expert)
     one matmul       one matmul of the T input rows with a contiguous k/N slice of the dense weights: the FLOPs of a
                      top-k layer (and its weight bytes at 1 token) as a single GEMM, the form this CPU runs fastest
+    ours             our whole MoE block (router included, default experts implementation) with the same expert
+                     weights, timed in the same rounds: the last column is its time over `expert matmuls`
 
     python benchmarks/moe_layer_floor.py                     # 1, 16, 256 and 2048 tokens, 2 threads
 """
@@ -20,6 +22,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
 
 
 def main():
@@ -43,12 +47,13 @@ def main():
     # The bytes of k experts' gate_up and down, as one contiguous weight: [3 * k * m, H]
     slice_weight = torch.randn(3 * top_k * size, hidden) * 0.02
     flush = torch.empty(args.flush_mb * 2**20 // 4)
+    ours = our_block(args, gate_up, expert_down)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, float32, cold cache | H={hidden}, "
         f"dense FFN={inter}, {experts} experts x {size}, top-{top_k}, ideal k/N={top_k / experts}"
     )
-    print("| tokens | dense ms | expert matmuls | padded bmm | one matmul |")
-    print("|---|---|---|---|---|")
+    print("| tokens | dense ms | expert matmuls | padded bmm | one matmul | ours | ours / expert matmuls |")
+    print("|---|---|---|---|---|---|---|")
     with torch.no_grad():
         for num_tokens in args.tokens:
             x = torch.randn(num_tokens, hidden)
@@ -78,6 +83,7 @@ def main():
                 "expert matmuls": expert_matmuls,
                 "padded bmm": padded_bmm,
                 "one matmul": one_matmul,
+                "ours": lambda: ours(x[None]),
             }
             samples = {name: [] for name in functions}
             for round_idx in range(3 + args.repeats):
@@ -89,7 +95,23 @@ def main():
                         samples[name].append(time.perf_counter() - start)
             median = {name: statistics.median(times) for name, times in samples.items()}
             ratios = " | ".join(f"{median[name] / median['dense']:.3f}" for name in list(functions)[1:])
-            print(f"| {num_tokens} | {median['dense'] * 1e3:.3f} | {ratios} |", flush=True)
+            over_floor = median["ours"] / median["expert matmuls"]
+            print(f"| {num_tokens} | {median['dense'] * 1e3:.3f} | {ratios} | {over_floor:.2f} |", flush=True)
+
+
+def our_block(args, gate_up: torch.Tensor, expert_down: torch.Tensor) -> torch.nn.Module:
+    """Our MoE block as users get it (built through the model class: its default experts implementation), holding the
+    same expert weights, with a random router (near-uniform routing, like the floors' random choice)."""
+    config = LlamaMoEConfig(
+        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_experts=args.num_experts,
+        num_experts_per_tok=args.top_k, num_hidden_layers=1, vocab_size=16,
+    )  # fmt: skip
+    block = LlamaMoEForCausalLM(config).model.layers[0].mlp.eval()
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(expert_down)
+        torch.nn.init.normal_(block.gate.weight, std=0.02)
+    return block
 
 
 if __name__ == "__main__":
