@@ -319,7 +319,9 @@ def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_dense, tiny_calibration, tmp_path, caplog):
+def test_converter_residual_split_file_round_trip_and_dense_identity(
+    tiny_dense, tiny_calibration, tmp_path, caplog, capfd
+):
     from safetensors.torch import load_file
 
     dense_path, input_ids, reference = tiny_dense
@@ -338,6 +340,7 @@ def test_converter_residual_split_file_round_trip_and_dense_identity(tiny_dense,
         first = convert_to_moe(dense_path, tmp_path / "a", top_k=1, save_split=split_file, **common)
     logged = f"Calibration data: local file {tiny_calibration} (1 docs) -> 16 sequences of 32 tokens."
     assert logged in caplog.text
+    assert "Loading weights" not in capfd.readouterr().err  # progress=False silences transformers' bars too
     splits, routers, metadata = load_splits(tmp_path / "split.safetensors")
     assert list(splits) == [1] and metadata["method"] == "residual"
     assert_partition(splits[1], 96)

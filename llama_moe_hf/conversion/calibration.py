@@ -6,6 +6,7 @@ CalibrationContext       one per conversion: loads the dense model at most once,
                          components asked for in one pass, and hands the results to them explicitly
 """
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -20,6 +21,21 @@ from .statistics import CalibrationStatistics, LayerCalibration, collect_calibra
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet")
+
+
+@contextlib.contextmanager
+def transformers_progress_bars(enabled: bool):
+    """transformers' own bars (its "Loading weights") shown or not, as ours are; the global switch is restored."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -333,7 +349,8 @@ class CalibrationContext:
             raise RuntimeError("The dense model was released: request calibration statistics before prepare().")
         if self._model is None:
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
+            with transformers_progress_bars(self.progress):
+                self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
         return self._model
 
     @property
