@@ -119,8 +119,10 @@ def main():
             for _ in range(args.processes)]  # fmt: skip
     import torch
 
-    print(f"torch {torch.__version__}, threads={args.threads}, float32, batch 1 | SmolLM2-135M-Instruct dense vs "
-          f"{args.num_experts} experts top-{args.top_k} | {args.processes} processes x {args.rounds} rounds")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, threads={args.threads}, float32, batch 1 | SmolLM2-135M-Instruct dense vs "
+        f"{args.num_experts} experts top-{args.top_k} | {args.processes} processes x {args.rounds} rounds"
+    )
     for task, unit in (("decode", f"{args.new_tokens} new tokens"), ("prefill", f"{args.prefill_tokens} tokens")):
         ratios = [run[task]["moe"] / run[task]["dense"] for run in runs]
         cells = ", ".join(f"{run[task]['dense']:.1f} / {run[task]['moe']:.1f}" for run in runs)

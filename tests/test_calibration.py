@@ -168,7 +168,10 @@ def test_statistics_match_autograd_and_ignore_batch_size(tiny_model):
 
 def test_token_groups_and_hidden_samples(tiny_model):
     input_ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(2))
-    parity = lambda layer, x: (x[:, 0] > 0).long()
+
+    def parity(layer, x):
+        return (x[:, 0] > 0).long()
+
     stats = collect_calibration(
         tiny_model, input_ids, [1], with_gradients=True, token_groups=parity, num_groups=2, max_hidden_samples=100
     ).mlp[1]

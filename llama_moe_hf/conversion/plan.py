@@ -298,7 +298,10 @@ class ConversionPlan:
 
 def _target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
     fields = family.target_fields[kind]
-    get = lambda key: _get(recipe, fields[key])
+
+    def get(key):
+        return _get(recipe, fields[key])
+
     return Target(
         kind=kind,
         method=get("method"),

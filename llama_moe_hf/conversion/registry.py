@@ -91,6 +91,11 @@ def option_names(component: type) -> set[str]:
     return {field.name for field in option_fields(component)}
 
 
+def component_options(component: type, recipe_options: dict):
+    """The component's `Options`, filled from a resolved recipe's `options`."""
+    return getattr(component, "Options", NoOptions)(**{name: recipe_options[name] for name in option_names(component)})
+
+
 def _option_owners() -> Iterator[tuple[str, str]]:
     for registry in REGISTRIES:
         for name, component in registry.items():

@@ -144,7 +144,8 @@ class AttnMoEConfig(LlamaMoEConfig):
             )
         if self.attention_router_type not in ROUTER_TYPES:
             raise ValueError(
-                f"Unknown attention_router_type {self.attention_router_type!r}; choose one of {', '.join(ROUTER_TYPES)}."
+                f"Unknown attention_router_type {self.attention_router_type!r}; "
+                f"choose one of {', '.join(ROUTER_TYPES)}."
             )
         scale = self.attention_score_scale_factor
         if isinstance(scale, list) and len(scale) != self.num_hidden_layers:

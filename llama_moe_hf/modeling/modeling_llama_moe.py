@@ -186,7 +186,7 @@ ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
 
 @use_experts_implementation
 class LlamaMoEExperts(nn.Module):
-    """Routed experts stored as fused 3-D tensors: `gate_up_proj [E, 2m, H]` (gate rows first), `down_proj [E, H, m]`."""
+    """Routed experts as fused 3-D tensors: `gate_up_proj [E, 2m, H]` (gate rows first), `down_proj [E, H, m]`."""
 
     def __init__(self, config: LlamaMoEConfig):
         super().__init__()

@@ -106,7 +106,8 @@ def mlp_card_rows(config, plan) -> list[tuple[str, object]]:
 
 def mlp_info_line(config) -> str:
     return (
-        f"experts: {config.num_experts} routed (top-{config.num_experts_per_tok}, size {config.moe_intermediate_size}), "
+        f"experts: {config.num_experts} routed "
+        f"(top-{config.num_experts_per_tok}, size {config.moe_intermediate_size}), "
         f"{config.num_shared_experts} shared, router {config.router_type}, MoE layers {config.moe_layers}"
     )
 

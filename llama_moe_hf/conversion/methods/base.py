@@ -5,10 +5,9 @@ SplitMethod          experts are subsets of the dense FFN neurons: subclasses im
 CalibratedSplit      splits computed from calibration data for all layers at once (and split files)
 """
 
-import dataclasses
 import logging
 
-from ..registry import NoOptions
+from ..registry import NoOptions, component_options
 from ..target import MLP, LayerBuild, Target
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class ConstructionMethod:
 
     def __init__(self, recipe, target: Target, dense_config, run=None):
         self.recipe, self.target, self.dense_config, self.run = recipe, target, dense_config, run
-        self.options = self.Options(**{f.name: recipe.options[f.name] for f in dataclasses.fields(self.Options)})
+        self.options = component_options(type(self), recipe.options)
 
     def request(self, context) -> None:
         """Ask `context` for the calibration statistics that `prepare` and `build` will use."""

@@ -1,8 +1,6 @@
 """Base class of the router initialisations: where the weights of a new router come from."""
 
-import dataclasses
-
-from ..registry import NoOptions
+from ..registry import NoOptions, component_options
 from ..target import ATTENTION, MLP, LayerBuild, Target
 
 
@@ -21,7 +19,7 @@ class RouterInit:
 
     def __init__(self, recipe, target: Target, dense_config, run=None):
         self.recipe, self.target, self.dense_config, self.run = recipe, target, dense_config, run
-        self.options = self.Options(**{f.name: recipe.options[f.name] for f in dataclasses.fields(self.Options)})
+        self.options = component_options(type(self), recipe.options)
 
     def request(self, context) -> None:
         """Ask `context` for the calibration statistics `prepare` and `tensors` will use."""
