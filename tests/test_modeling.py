@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
-from llama_moe_hf.conversion.choices import ROUTER_TYPES
+from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES
 from llama_moe_hf.conversion.families.base import dense_config_fields
-from llama_moe_hf.modeling import configuration_llama_moe
+from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe
 from llama_moe_hf.modeling.modeling_llama_moe import ROUTER_CLASSES, LlamaMoERouter, router_z_loss_func
 
 
@@ -61,8 +61,9 @@ def test_config_defaults_split_the_dense_ffn_evenly():
     assert config.moe_layers == [0, 1]
 
 
-def test_router_names_agree_between_the_config_the_model_and_the_command_line():
+def test_names_agree_between_the_config_the_model_and_the_command_line():
     assert tuple(ROUTER_CLASSES) == configuration_llama_moe.ROUTER_TYPES == ROUTER_TYPES
+    assert configuration_attn_moe.ATTENTION_EXPERT_GRANULARITIES == ATTENTION_GRANULARITIES
 
 
 # ----------------------------------------------------------------------------------------------------------------

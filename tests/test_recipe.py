@@ -64,7 +64,7 @@ def test_a_registered_method_works_from_the_command_line_a_recipe_file_the_card_
     ]
     assert main([*argv, "--output", str(first)]) == 0
     recipe = yaml.safe_load((first / "moe_recipe.yaml").read_text())
-    assert recipe["method"] == "strided" and recipe["strided_reverse"] is True and recipe["score_scale_factor"] == 1.0
+    assert recipe["method"] == "strided" and recipe["strided_reverse"] is True and recipe["router_init"] == "zero"
     card = (first / "README.md").read_text()
     assert "`strided`: Strided: expert e takes every E-th FFN neuron" in card and "strided_reverse: true" in card
     assert main(["info", str(first)]) == 0
@@ -137,6 +137,20 @@ def test_converting_again_from_the_saved_recipe_gives_byte_identical_weights(
     weights = [name for name in hashes[0] if name.endswith(".safetensors")]
     assert weights and all(hashes[0][name] == hashes[1][name] for name in weights)
     assert hashes[0]["config.json"] == hashes[1]["config.json"]
+
+
+def test_flags_over_a_saved_recipe_work_out_what_it_left_to_the_components(tiny_dense, tmp_path):
+    """The saved recipe keeps the settings worked out from others (score scale N/k, router init) unset, so a flag
+    that overrides the file gets them worked out again instead of inheriting values made for other settings."""
+    first = convert_to_moe(tiny_dense[0], tmp_path / "first", method="random", num_experts=4, top_k=2, progress=False)
+    saved = yaml.safe_load((first.output_dir / "moe_recipe.yaml").read_text())
+    assert (saved["score_scale_factor"], saved["router_init"]) == (None, None)
+    assert first.recipe.score_scale_factor == 2.0  # what was used: also in config.json's conversion_info
+    recipe, run = load_recipe(first.output_dir / "moe_recipe.yaml")
+    run.pop("model")
+    top_1 = convert_to_moe(tiny_dense[0], tmp_path / "top-1", recipe, top_k=1, progress=False, **run)
+    upcycled = convert_to_moe(tiny_dense[0], tmp_path / "upcycled", recipe, method="upcycle", progress=False, **run)
+    assert top_1.recipe.score_scale_factor == 4.0 and upcycled.recipe.score_scale_factor == 1.0
 
 
 def test_recipe_files_round_trip(tmp_path):

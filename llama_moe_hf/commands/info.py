@@ -20,7 +20,7 @@ def info_lines(folder) -> list[str]:
     from transformers import AutoConfig
 
     from ..conversion.pipeline import count_parameters
-    from ..conversion.registry import FAMILIES, METHODS, ROUTER_INITS
+    from ..conversion.registry import FAMILIES
     from ..conversion.writer import read_shapes
     from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
@@ -36,12 +36,27 @@ def info_lines(folder) -> list[str]:
         f"{config.num_hidden_layers} layers"
     ]
     lines += family.info_lines(config)
-    recipe = (getattr(config, "conversion_info", None) or {}).get("recipe", {})
-    for key, registry in (("method", METHODS), ("router_init", ROUTER_INITS), ("attn_router_init", ROUTER_INITS)):
-        if recipe.get(key) in registry:
-            lines.append(f"{key.replace('_', ' ')}: {recipe[key]} ({registry[recipe[key]].description})")
+    lines += component_lines(family(), (getattr(config, "conversion_info", None) or {}).get("recipe", {}))
     if getattr(config, "conversion_info", None):
         lines.append(f"conversion: {json.dumps(config.conversion_info, sort_keys=True)}")
     total, active = count_parameters(config, read_shapes(folder))
     lines.append(parameters_text(total, active))
+    return lines
+
+
+def component_lines(family, recipe: dict) -> list[str]:
+    """The construction method and router init of each block the recipe converted, described by their registries."""
+    from ..conversion.recipe import MoERecipe
+    from ..conversion.registry import METHODS, ROUTER_INITS
+
+    try:
+        kinds = family.target_kinds(MoERecipe.from_dict(dict(recipe)))
+    except (TypeError, ValueError):  # no recipe, or one written by another version
+        return []
+    lines = []
+    for kind in kinds:
+        fields = family.target_fields[kind]
+        for key, registry in ((fields["method"], METHODS), (fields["router_init"], ROUTER_INITS)):
+            if recipe.get(key) in registry:
+                lines.append(f"{key.replace('_', ' ')}: {recipe[key]} ({registry[recipe[key]].description})")
     return lines

@@ -4,9 +4,7 @@ It runs the same plan, calibration context and per-layer tensors as the streamin
 so what it returns equals what `llama-moe convert` writes. Tests and benchmarks build their models with it.
 """
 
-import dataclasses
-
-from .recipe import MoERecipe, split_fields
+from .recipe import MoERecipe
 
 
 def build_moe(
@@ -35,12 +33,9 @@ def build_moe(
     from .plan import ConversionPlan
     from .sources import ModelSource
 
-    recipe_fields, run_fields = split_fields(dict(fields))
+    recipe, run_fields = (recipe or MoERecipe()).with_fields(fields)
     if run_fields:
         raise ValueError(f"build_moe takes recipe fields, not the run options {sorted(run_fields)}.")
-    base = recipe or MoERecipe()
-    options = {**base.options, **recipe_fields.pop("options")}
-    recipe = dataclasses.replace(base, **recipe_fields, options=options)
     source = ModelSource(dense_model, tokenizer)
     plan = ConversionPlan.create(recipe, dense_model.config)
     owned = context is None

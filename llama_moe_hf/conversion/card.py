@@ -42,7 +42,7 @@ Built from this recipe (`{RECIPE_FILE}` in this repository; `llama-moe convert -
 builds the same weights again):
 
 ```yaml
-{to_yaml(plan.recipe.to_dict())}```
+{to_yaml(plan.asked.to_dict())}```
 
 ## Parameters
 

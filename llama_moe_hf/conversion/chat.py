@@ -9,7 +9,7 @@ def chat(model_path: str | Path, prompt: str, max_new_tokens: int = 64, dtype: t
     """Answer `prompt` as a single user turn with greedy decoding; returns the decoded answer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import llama_moe_hf  # noqa: F401  (registers LlamaMoE with the Auto classes: no remote code is run)
+    from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
     path = Path(model_path).expanduser()
     if not (path / "config.json").is_file():

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe, split_fields
+from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe
 from .registry import FAMILIES
 
 
@@ -103,7 +103,7 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
         custom_object_save(plan.meta_model, tmp, config=plan.config)  # the modeling code next to the weights
         plan.config.save_pretrained(tmp)
         source.save_extras(tmp)
-        save_recipe(tmp / RECIPE_FILE, plan.recipe, dataclasses.replace(run, model=source.reference))
+        save_recipe(tmp / RECIPE_FILE, plan.asked, dataclasses.replace(run, model=source.reference))
         write_model_card(tmp, plan, source, total, active)
         files = sorted(p.name for p in tmp.iterdir())
     return ConversionResult(output, total, active, files, plan.recipe)
@@ -118,10 +118,7 @@ def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None,
     `model`: a local folder, a Hub repository id, a `.gguf` file, or None for the built-in SmolLM2-135M-Instruct.
     """
     seams = {key: fields.pop(key) for key in ("download", "hub_api") if key in fields}
-    recipe_fields, run_fields = split_fields(fields)
-    base = recipe or MoERecipe()
-    options = {**base.options, **recipe_fields.pop("options")}
-    recipe = dataclasses.replace(base, **recipe_fields, options=options)
+    recipe, run_fields = (recipe or MoERecipe()).with_fields(fields)
     run = RunOptions(model=None if model is None else str(model), output=output_dir and str(output_dir), **run_fields)
     return convert(recipe, run, **seams)
 

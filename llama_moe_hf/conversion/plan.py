@@ -13,7 +13,7 @@ from .calibration import data_path
 from .choices import ROUTER_TYPES
 from .layer_patterns import layer_terms, parse_moe_layers
 from .recipe import MoERecipe, RunOptions, check_types
-from .registry import FAMILIES, METHODS, ROUTER_INITS, option_fields, option_owner
+from .registry import FAMILIES, METHODS, ROUTER_INITS, component_options, option_fields, option_owner
 from .target import BLOCKS, MLP, LayerBuild, Target
 
 _POSITIVE = ("num_experts", "calibration_tokens", "calibration_samples")
@@ -146,13 +146,20 @@ def _check_router(router, router_type: str, method, kind: str) -> None:
         )
 
 
-def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
-    """Keep exactly the options of the family and of the chosen methods and router inits, with their defaults."""
+def _chosen_components(recipe: MoERecipe, family) -> list:
+    """The family and the methods and router inits of a resolved recipe."""
     chosen = [family]
     for kind in family.target_kinds(recipe):
         fields = family.target_fields[kind]
         chosen += [METHODS[_get(recipe, fields["method"])], ROUTER_INITS[_get(recipe, fields["router_init"])]]
-    accepted = {f.name: (component, f) for component in chosen for f in option_fields(component)}
+    return chosen
+
+
+def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
+    """Keep exactly the options of the family and of the chosen methods and router inits, with their defaults."""
+    accepted = {
+        f.name: (component, f) for component in _chosen_components(recipe, family) for f in option_fields(component)
+    }
     for key in recipe.options:
         if key not in accepted:
             owner = option_owner(key)
@@ -161,14 +168,30 @@ def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
             raise ValueError(f"--{key.replace('_', '-')} applies to {owner[0].kind} {owner[1]!r}, which is not used.")
     options = {key: recipe.options.get(key, f.default) for key, (_, f) in accepted.items()}
     for component in {component for component, _ in accepted.values()}:
-        values = component.Options(**{f.name: options[f.name] for f in option_fields(component)})
-        check_types(values)
+        check_types(component_options(component, options))
         for f in option_fields(component):
             choices = f.metadata.get("choices")
             if choices and options[f.name] is not None and options[f.name] not in choices:
                 flag = "--" + f.name.replace("_", "-")
                 raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {options[f.name]!r}.")
     return dataclasses.replace(recipe, options=options)
+
+
+def recipe_as_asked(asked: MoERecipe, resolved: MoERecipe) -> MoERecipe:
+    """The recipe an output folder carries: `asked`, with its family and the options of every component it uses
+    named (their defaults where not set). Settings `asked` leaves to the components (None: the score scale N/k, the
+    method's router init, the attention experts, ...) stay None, so that flags overriding the saved file work them out
+    again rather than keep values made for other settings; the config's `conversion_info` has the values used."""
+    family = FAMILIES[resolved.family]()
+    defaults = {f.name: f.default for c in _chosen_components(resolved, family) for f in option_fields(c)}
+    options = {key: asked.options.get(key, defaults[key]) for key in resolved.options}
+    return dataclasses.replace(
+        asked,
+        family=resolved.family,
+        moe_layers=_layer_list(asked.moe_layers),
+        calibration_data=resolved.calibration_data,
+        options=options,
+    )
 
 
 @dataclasses.dataclass
@@ -185,6 +208,7 @@ class ConversionPlan:
     config: object = None
     expected: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
+    asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
 
     @classmethod
     def create(cls, recipe: MoERecipe, dense_config, run: RunOptions | None = None) -> "ConversionPlan":
@@ -194,10 +218,10 @@ class ConversionPlan:
         from huggingface_hub.errors import StrictDataclassError
 
         run = run or RunOptions()
-        recipe = resolve_recipe(recipe, dense_config, run)
+        asked, recipe = recipe, resolve_recipe(recipe, dense_config, run)
         family = FAMILIES[recipe.family]()
         targets = {kind: _target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
-        plan = cls(recipe, run, family, dense_config, targets)
+        plan = cls(recipe, run, family, dense_config, targets, asked=recipe_as_asked(asked, recipe))
         plan.components = {
             kind: (
                 METHODS[t.method](recipe, t, dense_config, run),

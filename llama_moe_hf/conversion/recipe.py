@@ -86,6 +86,12 @@ class MoERecipe(RecipeFields):
             raise ValueError(f"{', '.join(run)} are run options, not recipe fields.")
         return cls(**recipe)
 
+    def with_fields(self, fields: dict[str, Any]) -> tuple["MoERecipe", dict[str, Any]]:
+        """(this recipe with the flat `fields` that are recipe fields or options set, the run options among them)."""
+        recipe_fields, run_fields = split_fields(dict(fields))
+        options = {**self.options, **recipe_fields.pop("options")}
+        return dataclasses.replace(self, **recipe_fields, options=options), run_fields
+
     def to_dict(self) -> dict[str, Any]:
         """Flat keys: the recipe fields, then the component options."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(RecipeFields)}

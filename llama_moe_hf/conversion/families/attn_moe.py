@@ -2,7 +2,8 @@
 
 import dataclasses
 
-from ..registry import FAMILIES, option
+from ..choices import ATTENTION_GRANULARITIES
+from ..registry import FAMILIES, ROUTER_INITS, option
 from ..target import ATTENTION, MLP
 from .base import (
     MLP_FIELDS,
@@ -14,8 +15,6 @@ from .base import (
     mlp_info_line,
 )
 
-GRANULARITIES = ("kv_group", "query_heads")
-
 
 @dataclasses.dataclass(frozen=True)
 class AttnMoEOptions:
@@ -24,7 +23,7 @@ class AttnMoEOptions:
     attn_granularity: str | None = option(
         None,
         "an expert is whole KV groups or query heads of one group (default: kv_group if experts <= KV heads)",
-        choices=GRANULARITIES,
+        choices=ATTENTION_GRANULARITIES,
     )
     attn_score_scale_factor: float | None = option(None, "attention expert output scale (default: the top-k)")
     attn_router_type: str | None = option(None, "gate of the attention routers (default: top_k)")
@@ -72,8 +71,9 @@ class AttnMoEFamily(ModelFamily):
 
     def resolve(self, recipe, dense_config):
         options = dict(recipe.options)
-        if options.get("attn_router_init") is None:  # the MLP's init if it applies to attention routers
-            options["attn_router_init"] = recipe.router_init if recipe.router_init in ("zero", "random") else "random"
+        if options.get("attn_router_init") is None:  # the MLP's init if it can start attention routers
+            inherit = recipe.router_init in ROUTER_INITS and ATTENTION in ROUTER_INITS[recipe.router_init].targets
+            options["attn_router_init"] = recipe.router_init if inherit else "random"
         if dense_config is not None:
             if options.get("attn_experts") is None:
                 options["attn_experts"] = dense_config.num_key_value_heads or dense_config.num_attention_heads

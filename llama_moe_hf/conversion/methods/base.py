@@ -137,11 +137,6 @@ class CalibratedSplit(SplitMethod):
     def split(self, layer_idx, dense, context):
         return self._splits[layer_idx]
 
-    @property
-    def splits(self) -> dict:
-        """layer -> ExpertSplit, once prepared (or read from a split file)."""
-        return self._splits
-
     def finish(self, context) -> None:
         if self.run is not None and self.run.save_split:
             from ..split_files import save_splits

@@ -113,6 +113,13 @@ class FolderSource(DenseSource):
             del self._handles[file]
         return tensor
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Read from one row of the embedding: the whole of it can be a gigabyte."""
+        name = "model.embed_tokens.weight"
+        handle = self._open(self._files[name])
+        return handle[name].dtype if isinstance(handle, dict) else handle.get_slice(name)[:1].dtype
+
     def save_extras(self, out_dir: Path) -> None:
         from transformers import GenerationConfig
 

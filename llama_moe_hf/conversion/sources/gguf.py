@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from .base import DenseSource, check_llama_config
+from .memory import ModelSource
 
 
 def load_gguf_model(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
@@ -31,35 +31,24 @@ def load_gguf_model(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-class GGUFSource(DenseSource):
+class GGUFSource(ModelSource):
     """A LLaMA GGUF file, dequantised into memory once (GGUF files of LLaMA models that fit in RAM)."""
 
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoTokenizer
 
         try:
-            self._model = load_gguf_model(path, dtype=dtype)
+            model = load_gguf_model(path, dtype=dtype)
         except (ValueError, FileNotFoundError):
             raise
         except Exception as error:
             raise ValueError(f"Cannot read {path} as a LLaMA GGUF file: {error}") from None
-        self._state = self._model.state_dict()
-        check_llama_config(self._model.config.to_dict(), str(path))
-        self._tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        super().__init__(path, self._model.config, description=f"{path.name} (GGUF, dequantised)")
-
-    def names(self) -> list[str]:
-        return list(self._state)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._state[name]
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        super().__init__(model, tokenizer, path, description=f"{path.name} (GGUF, dequantised)")
 
     def save_extras(self, out_dir: Path) -> None:
         self._tokenizer.save_pretrained(out_dir)
         self._model.generation_config.save_pretrained(out_dir)
 
     def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
-        return self._model.to(device=device, dtype=dtype or self._model.dtype)
-
-    def load_tokenizer(self):
-        return self._tokenizer
+        return self._model.to(device=device, dtype=dtype or self._model.dtype)  # our own copy: free to move

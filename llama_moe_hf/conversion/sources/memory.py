@@ -10,9 +10,10 @@ from .base import DenseSource, check_llama_config
 class ModelSource(DenseSource):
     """A loaded dense LLaMA-family causal LM (and optionally its tokenizer, for calibration text)."""
 
-    def __init__(self, model, tokenizer=None):
-        check_llama_config(model.config.to_dict(), type(model).__name__)
-        super().__init__(Path("."), model.config, description=f"in-memory {type(model).__name__}")
+    def __init__(self, model, tokenizer=None, path: Path = Path("."), description: str | None = None):
+        description = description or f"in-memory {type(model).__name__}"
+        check_llama_config(model.config.to_dict(), description)
+        super().__init__(path, model.config, description=description)
         self._model = model
         self._tokenizer = tokenizer
         self._state = model.state_dict()
