@@ -2,6 +2,9 @@
 fixtures come from conftest.py); they never import each other."""
 
 import hashlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -99,3 +102,29 @@ class FakeHfApi:
         self.uploaded_readme = (Path(folder_path) / "README.md").read_text()
         self.calls.append(("upload_folder", repo_id, {"folder_path": folder_path, **kwargs}))
         return "https://huggingface.co/me/tiny-moe/commit/abc"
+
+
+_REMOTE_LOAD = """
+import sys, json, torch
+sys.modules["llama_moe_hf"] = None  # the package must not be needed
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    print(json.dumps({"module": type(model).__module__, "logits": model(ids).logits[0, -1].tolist()}))
+"""
+
+
+def load_as_remote_code(folder: Path, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Load a saved folder with `trust_remote_code=True` in a fresh process where this package cannot be imported:
+    (the model class's module, the last position's logits of the first row of `input_ids`)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _REMOTE_LOAD, str(folder), json.dumps(input_ids.tolist())],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    return remote["module"], torch.tensor(remote["logits"])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_llama_config
+from helpers import load_as_remote_code, tiny_llama, tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -347,17 +347,6 @@ def test_static_cache_and_compiled_decoding():
 # Saving, remote code, LoRA
 # ---------------------------------------------------------------------------------------------------------------
 
-REMOTE_LOAD = """
-import sys, json, torch
-sys.modules["llama_moe_hf"] = None  # the package must not be needed
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
-ids = torch.tensor(json.loads(sys.argv[2]))
-with torch.no_grad():
-    print(json.dumps({"module": type(model).__module__, "logits": model(ids).logits[0, -1].tolist()}))
-"""
-
-
 def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     model = build_moe(
         dense_model(), attn_experts=4, attn_top_k=2, mlp_moe=True, moe_layers=["1"], num_experts=4, top_k=1
@@ -376,17 +365,9 @@ def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     with torch.no_grad():
         expected = model(ids).logits[0, -1]
         torch.testing.assert_close(reloaded(ids).logits[0, -1], expected)
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, str(tmp_path), json.dumps(ids.tolist())],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    remote = json.loads(result.stdout.strip().splitlines()[-1])
-    assert remote["module"].startswith("transformers_modules")
-    torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-5, rtol=0)
+    module, remote_logits = load_as_remote_code(tmp_path, ids)
+    assert module.startswith("transformers_modules")
+    torch.testing.assert_close(remote_logits, expected, atol=1e-5, rtol=0)
 
 
 def test_lora_adapter_trains():

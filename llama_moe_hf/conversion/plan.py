@@ -89,9 +89,10 @@ def _get(recipe: MoERecipe, field: str | None):
     return getattr(recipe, field) if field in recipe.__dataclass_fields__ else recipe.options.get(field)
 
 
-def _set(recipe: MoERecipe, **values) -> MoERecipe:
+def _set(recipe: MoERecipe, values: dict) -> MoERecipe:
+    """`values` set by name (a recipe field or an option); a None name is a setting the family does not have."""
     fields = {k: v for k, v in values.items() if k in recipe.__dataclass_fields__}
-    options = {k: v for k, v in values.items() if k not in fields}
+    options = {k: v for k, v in values.items() if k is not None and k not in fields}
     return dataclasses.replace(recipe, **fields, options={**recipe.options, **options})
 
 
@@ -129,7 +130,7 @@ def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None
     }
     if fields["score_scale_factor"] is not None:
         values[fields["score_scale_factor"]] = scale
-    return _set(recipe, **values)
+    return _set(recipe, values)
 
 
 def _check_router(router, router_type: str, method, kind: str) -> None:

@@ -7,9 +7,10 @@ folder loads with `trust_remote_code=True` where this package is not installed.
 
 import transformers
 
-from . import modeling_attn_moe, modeling_llama_moe
+from . import modeling_attn_moe, modeling_llama_moe, modeling_soap_moe
 from .configuration_attn_moe import AttnMoEConfig
 from .configuration_llama_moe import LlamaMoEConfig
+from .configuration_soap_moe import SoapMoEConfig
 from .modeling_attn_moe import (
     AttnMoEForCausalLM,
     AttnMoEForSequenceClassification,
@@ -24,11 +25,19 @@ from .modeling_llama_moe import (
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
 )
+from .modeling_soap_moe import (
+    SoapMoEForCausalLM,
+    SoapMoEForSequenceClassification,
+    SoapMoEForTokenClassification,
+    SoapMoEModel,
+    SoapMoEPreTrainedModel,
+)
 
 # config class -> the family's pretrained base class (whose `auto_heads` name its heads) and module
 MODEL_FAMILIES = {
     LlamaMoEConfig: (LlamaMoEPreTrainedModel, modeling_llama_moe),
     AttnMoEConfig: (AttnMoEPreTrainedModel, modeling_attn_moe),
+    SoapMoEConfig: (SoapMoEPreTrainedModel, modeling_soap_moe),
 }
 
 for _config_class, (_base, _module) in MODEL_FAMILIES.items():
@@ -51,4 +60,9 @@ __all__ = [
     "LlamaMoEForSequenceClassification",
     "LlamaMoEForTokenClassification",
     "LlamaMoEModel",
+    "SoapMoEConfig",
+    "SoapMoEForCausalLM",
+    "SoapMoEForSequenceClassification",
+    "SoapMoEForTokenClassification",
+    "SoapMoEModel",
 ]

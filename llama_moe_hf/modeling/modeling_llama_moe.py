@@ -355,11 +355,13 @@ class LlamaMoESparseMoeBlock(nn.Module):
 
 
 class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
+    moe_block_class = LlamaMoESparseMoeBlock  # the MLP of `config.moe_layers` (SoapMoE swaps in its own)
+
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMoESparseMoeBlock(config, layer_idx) if layer_idx in config.moe_layers else LlamaMLP(config)
+        self.mlp = self.moe_block_class(config, layer_idx) if layer_idx in config.moe_layers else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -371,6 +373,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        routing_context: object | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -388,8 +391,12 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.mlp_forward(hidden_states, routing_context)
         return residual + hidden_states
+
+    def mlp_forward(self, hidden_states: torch.Tensor, routing_context: object | None) -> torch.Tensor:
+        """The MLP; `routing_context` is what the backbone's `routing_context` made for this forward (SoapMoE)."""
+        return self.mlp(hidden_states)
 
 
 class LlamaMoEPreTrainedModel(PreTrainedModel):
@@ -457,7 +464,8 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
 
 
 class LlamaMoEModel(LlamaMoEPreTrainedModel):
-    decoder_layer_class = LlamaMoEDecoderLayer  # AttnMoE swaps in its own layers and reuses the rest
+    decoder_layer_class = LlamaMoEDecoderLayer  # AttnMoE and SoapMoE swap in their own layers and reuse the rest
+    output_class = MoeModelOutputWithPast
 
     def __init__(self, config: LlamaMoEConfig):
         super().__init__(config)
@@ -504,6 +512,9 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        context = self.routing_context(attention_mask, past_key_values, inputs_embeds)
+        if context is not None:
+            kwargs["routing_context"] = context
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
@@ -515,7 +526,11 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def routing_context(self, attention_mask, past_key_values, inputs_embeds) -> object | None:
+        """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here."""
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -556,9 +571,8 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         `loss = lm_loss + router_aux_loss_coef * aux_loss`. The other router losses are attached to the graph in
         training (see the module docstring), so they are not part of `loss`.
         """
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         outputs: MoeModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -575,14 +589,18 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        aux_loss = None
-        if output_router_logits and outputs.router_logits:
-            aux_loss = load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
-            )
-            if labels is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        aux_loss = self.router_aux_loss(outputs, attention_mask) if output_router_logits else None
+        if aux_loss is not None and labels is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return self.causal_lm_output(outputs, attention_mask, loss=loss, aux_loss=aux_loss, logits=logits)
+
+    def router_aux_loss(self, outputs: MoeModelOutputWithPast, attention_mask) -> torch.Tensor | None:
+        """The Switch load-balancing loss of `router_logits` (unweighted), as in Mixtral."""
+        if not outputs.router_logits:
+            return None
+        return load_balancing_loss_func(
+            outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+        )
 
     def causal_lm_output(self, outputs: MoeModelOutputWithPast, attention_mask, **fields) -> MoeCausalLMOutputWithPast:
         return MoeCausalLMOutputWithPast(

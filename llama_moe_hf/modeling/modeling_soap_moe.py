@@ -1,0 +1,466 @@
+"""SoapMoE: LLaMA with SOAP blocks: experts soft-merged in parameter space, once per segment of tokens.
+
+In a SOAP layer the E experts (each the dense FFN's shape) are averaged with routing weights (SMEAR-style merging)
+and the merged FFN runs as one ordinary SwiGLU FFN on every token of the segment:
+
+    w_j      = softmax(gate(mean of the layer input over segment j-1))        segment 0: its own mean, no gradient
+    FFN_j    = SwiGLU with gate_up = sum_e w_j[e] * gate_up_proj[e], down = sum_e w_j[e] * down_proj[e]
+    output_t = score_scale_factor * FFN_j(x_t)  [+ shared_experts(x_t)]      for every token t of segment j
+
+Merging costs about E/S of the FFN's work (E experts, S = `segment_length` tokens). Because segment j is routed by
+segment j-1, a token's output never depends on later segments; within segment 0 the routing sees the whole segment
+(SOAP's choice), with its weights cut from the gradient.
+
+    router    SoapMoERouter: segment representation [.., H] -> (logits [.., E], weights [.., E], top-k weights and ids)
+    experts   SoapMoEExperts: fused `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`; `forward` is the fast chunked
+              path (`SegmentMergedFFN`: merged weights of a chunk of segments at a time, re-merged in backward),
+              `reference_forward` the plain one (merge everything, then two batched matmuls; autograd does the rest)
+    block     SoapMoEBlock: segments, padding-aware segment means, routing, generation state
+    layer     SoapMoEDecoderLayer: LLaMA decoder layer whose MLP is dense or SOAP (`config.moe_layers`)
+    model     SoapMoEModel, SoapMoEForCausalLM (and the classification heads)
+
+Generation uses the standard KV cache; each SOAP layer keeps its routing state next to it (`SoapRoutingState`).
+`config.routing_mode = "prompt"` routes once on the prompt and decodes with that merged FFN; `"segment"` re-routes
+every `segment_length` tokens, as in training.
+
+This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and the other
+files of this folder.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.activations import ACT2FN
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.utils.output_capturing import OutputRecorder
+
+from .configuration_soap_moe import SoapMoEConfig
+from .modeling_llama_moe import (
+    LlamaMoEDecoderLayer,
+    LlamaMoEForCausalLM,
+    LlamaMoEForSequenceClassification,
+    LlamaMoEForTokenClassification,
+    LlamaMoEModel,
+    LlamaMoEPreTrainedModel,
+    LlamaMoESharedExperts,
+)
+
+
+@dataclass
+class SoapMoEModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    router_logits (`tuple(torch.Tensor)`): with `output_router_logits=True`, per SOAP layer `[B, segments, E]`.
+    routing_weights (`tuple(torch.Tensor)`): with `output_routing_weights=True`, per SOAP layer the merge weights
+        `[B, segments, E]` (zero for experts outside the top-k when `num_experts_per_tok` is set).
+    """
+
+    routing_weights: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SoapMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    routing_weights (`tuple(torch.Tensor)`): see `SoapMoEModelOutputWithPast`.
+    expert_utilization (`torch.Tensor`): with `output_routing_weights=True`, per SOAP layer the share of experts
+        whose routing weight reaches `config.utilization_threshold`, averaged over segments `[layers]`.
+    """
+
+    routing_weights: tuple[torch.Tensor, ...] | None = None
+    expert_utilization: torch.Tensor | None = None
+
+
+def expert_utilization(routing_weights: tuple[torch.Tensor, ...], threshold: float) -> torch.Tensor:
+    """Per layer, the share of experts with routing weight >= `threshold`, averaged over segments. [layers]"""
+    return torch.stack([(weights >= threshold).float().mean() for weights in routing_weights])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SoapMoERouter(nn.Module):
+    """Linear gate `weight [E, H]`, softmax over the experts in float32; with top-k merging only the k largest
+    weights, renormalised to sum to 1. When all experts merge, the top-k ids are `0..E-1` in order."""
+
+    def __init__(self, config: SoapMoEConfig):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.merge_top_k
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(states.float(), self.weight.float())  # [.., E]
+        weights = logits.softmax(dim=-1)
+        if self.top_k == self.num_experts:
+            index = torch.arange(self.num_experts, device=logits.device).expand_as(weights)
+            return logits, weights, weights, index
+        top_weights, index = weights.topk(self.top_k, dim=-1)  # [.., k]
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return logits, torch.zeros_like(weights).scatter(-1, index, top_weights), top_weights, index
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Experts: merging and the merged FFN
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def merge_experts(weights: torch.Tensor, index: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[n, j] * experts[index[n, j]] for each row n: [N, k], [N, k], [E, *shape] -> [N, *shape].
+    All experts in order (k == E): one [N, E] @ [E, P] matmul; top-k: gather the k experts, then a batched matmul."""
+    flat = experts.reshape(experts.shape[0], -1)  # [E, P]
+    weights = weights.to(flat.dtype)
+    if index.shape[-1] == flat.shape[0]:
+        merged = weights @ flat
+    else:
+        merged = torch.bmm(weights.unsqueeze(1), flat[index]).squeeze(1)  # [N, 1, k] @ [N, k, P]
+    return merged.view(weights.shape[0], *experts.shape[1:])
+
+
+def _merge_backward(grad_merged, weights, index, experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `merge_experts` for its weights [N, k] and experts [E, P], given the merged rows' [N, *shape]."""
+    flat, grad = experts.reshape(experts.shape[0], -1), grad_merged.reshape(grad_merged.shape[0], -1)
+    if index.shape[-1] == flat.shape[0]:
+        return grad @ flat.T, weights.to(grad.dtype).T @ grad
+    grad_weights = torch.bmm(flat[index], grad.unsqueeze(-1)).squeeze(-1)  # [N, k, P] @ [N, P, 1]
+    rows = (weights.to(grad.dtype).unsqueeze(-1) * grad.unsqueeze(1)).flatten(0, 1)  # [N * k, P]
+    return grad_weights, torch.zeros_like(flat).index_add_(0, index.flatten(), rows)
+
+
+def _chunks(rows: int, size: int):
+    return (slice(start, min(start + size, rows)) for start in range(0, rows, size))
+
+
+class SegmentMergedFFN(torch.autograd.Function):
+    """y[n] = SwiGLU(x[n]) with row n's merged weights, `chunk` rows at a time. Only one chunk of merged weights
+    exists at once: backward merges each chunk again instead of keeping all N (memory O(chunk), not O(N))."""
+
+    @staticmethod
+    def forward(ctx, x, weights, index, gate_up_proj, down_proj, act_fn, chunk):
+        # x [N, L, H]; weights, index [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]
+        output = torch.empty_like(x)
+        pre_activation = x.new_empty(*x.shape[:2], gate_up_proj.shape[1])  # [N, L, 2I]
+        for rows in _chunks(x.shape[0], chunk):
+            gate_up = merge_experts(weights[rows], index[rows], gate_up_proj)  # [n, 2I, H]
+            down = merge_experts(weights[rows], index[rows], down_proj)  # [n, H, I]
+            pre_activation[rows] = torch.bmm(x[rows], gate_up.transpose(1, 2))
+            gate, up = pre_activation[rows].chunk(2, dim=-1)
+            output[rows] = torch.bmm(act_fn(gate) * up, down.transpose(1, 2))
+        ctx.save_for_backward(x, weights, index, gate_up_proj, down_proj, pre_activation)
+        ctx.act_fn, ctx.chunk = act_fn, chunk
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weights, index, gate_up_proj, down_proj, pre_activation = ctx.saved_tensors
+        grad_x, grad_weights = torch.empty_like(x), torch.empty_like(weights)
+        grad_gate_up, grad_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
+        for rows in _chunks(x.shape[0], ctx.chunk):
+            gate_up = merge_experts(weights[rows], index[rows], gate_up_proj)
+            down = merge_experts(weights[rows], index[rows], down_proj)
+            gate, up = (t.detach().requires_grad_() for t in pre_activation[rows].chunk(2, dim=-1))
+            with torch.enable_grad():
+                hidden = ctx.act_fn(gate) * up  # [n, L, I]
+            grad_down_merged = torch.bmm(grad_output[rows].transpose(1, 2), hidden.detach())  # [n, H, I]
+            grad_hidden = torch.bmm(grad_output[rows], down)  # [n, L, I]
+            grad_pre = torch.cat(torch.autograd.grad(hidden, (gate, up), grad_hidden), dim=-1)  # [n, L, 2I]
+            grad_gate_up_merged = torch.bmm(grad_pre.transpose(1, 2), x[rows])  # [n, 2I, H]
+            grad_x[rows] = torch.bmm(grad_pre, gate_up)
+            w_gate_up, e_gate_up = _merge_backward(grad_gate_up_merged, weights[rows], index[rows], gate_up_proj)
+            w_down, e_down = _merge_backward(grad_down_merged, weights[rows], index[rows], down_proj)
+            grad_weights[rows] = (w_gate_up + w_down).to(grad_weights.dtype)
+            grad_gate_up += e_gate_up.view_as(grad_gate_up)
+            grad_down += e_down.view_as(grad_down)
+        return grad_x, grad_weights, None, grad_gate_up, grad_down, None, None
+
+
+class SoapMoEExperts(nn.Module):
+    """E experts of one SOAP layer as fused 3-D tensors: `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj
+    [E, H, I]` (LlamaMoE's layout and names)."""
+
+    def __init__(self, config: SoapMoEConfig):
+        super().__init__()
+        self.num_experts, self.chunk = config.num_experts, config.merge_chunk_size
+        size, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, size))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Fast path: x [N, L, H] (N segments), weights and index [N, k] -> [N, L, H]."""
+        return SegmentMergedFFN.apply(x, weights, index, self.gate_up_proj, self.down_proj, self.act_fn, self.chunk)
+
+    def reference_forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Plain path (same result): merge every segment's experts, then the FFN as two batched matmuls."""
+        return self.apply_merged(x, self.merge(weights, index))
+
+    def merge(self, weights: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merged FFN of each row: ([N, 2I, H], [N, H, I])."""
+        return merge_experts(weights, index, self.gate_up_proj), merge_experts(weights, index, self.down_proj)
+
+    def apply_merged(self, x: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [N, L, H] through row n's merged FFN. One row runs as the dense FFN's two linear layers."""
+        gate_up, down = merged
+        if x.shape[0] == 1:
+            gate, up = F.linear(x[0], gate_up[0]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, down[0]).unsqueeze(0)
+        gate, up = torch.bmm(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(self.act_fn(gate) * up, down.transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block: segments, routing, generation state
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SoapRoutingState:
+    """One SOAP layer's routing during generation, kept with the KV cache: the current segment's routing input
+    [B, H], the sum and count of its layer inputs so far ([B, H], [B]), and its merged FFN (reused until the next
+    segment, or for the whole generation with prompt routing)."""
+
+    route_input: torch.Tensor | None = None
+    input_sum: torch.Tensor | None = None
+    input_count: torch.Tensor | None = None
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class SoapRoutingContext:
+    """What every SOAP layer needs to know about the forward: the padding mask of its tokens [B, T] (None: no
+    padding), how many tokens the cache already holds, and the per-layer generation states (None: no cache)."""
+
+    padding_mask: torch.Tensor | None
+    past_length: int
+    states: dict[int, SoapRoutingState] | None = field(default=None)
+
+
+def segment_layout(x: torch.Tensor, mask: torch.Tensor, offset: int, segment_length: int):
+    """x [B, T, H] and mask [B, T] placed on whole segments: `offset` empty slots first (the part of the first
+    segment already in the cache), zeros to the end. -> x [B, n, S, H], mask [B, n, S]."""
+    batch, length, hidden = x.shape
+    n = -(-(offset + length) // segment_length)
+    tail = n * segment_length - offset - length
+    x = F.pad(x, (0, 0, offset, tail)).view(batch, n, segment_length, hidden)
+    return x, F.pad(mask, (offset, tail)).view(batch, n, segment_length)
+
+
+class SoapMoEBlock(nn.Module):
+    """A SOAP layer: route each segment, merge its experts, run the merged FFN (module docstring)."""
+
+    def __init__(self, config: SoapMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.segment_length = layer_idx, config.segment_length
+        self.routing_mode = config.routing_mode
+        self.score_scale_factor = config.layer_score_scale(layer_idx)
+        self.gate = SoapMoERouter(config)
+        self.experts = SoapMoEExperts(config)
+        self.shared_experts = LlamaMoESharedExperts(config) if config.num_shared_experts > 0 else None
+
+    def forward(self, hidden_states: torch.Tensor, context: SoapRoutingContext | None = None) -> torch.Tensor:
+        context = context or SoapRoutingContext(padding_mask=None, past_length=0)
+        state = None
+        if context.states is not None:
+            if context.past_length == 0:  # a new sequence: forget the previous one's routing
+                context.states[self.layer_idx] = SoapRoutingState()
+            state = context.states.setdefault(self.layer_idx, SoapRoutingState())
+        mask = context.padding_mask
+        if mask is None:
+            mask = hidden_states.new_ones(hidden_states.shape[:2])
+        if state is not None and self.routing_mode == "prompt":
+            output = self._prompt_routed(hidden_states, mask.to(hidden_states.dtype), state)
+        else:
+            output = self._segment_routed(hidden_states, mask.to(hidden_states.dtype), context.past_length, state)
+        if self.score_scale_factor != 1.0:
+            output = output * self.score_scale_factor
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output
+
+    def _prompt_routed(self, x: torch.Tensor, mask: torch.Tensor, state: SoapRoutingState) -> torch.Tensor:
+        """Route once on the mean of the prompt (the first forward of the sequence); reuse that merged FFN."""
+        if state.merged is None:
+            prompt_mean = (x.float() * mask[..., None]).sum(1) / mask.sum(1).clamp(min=1)[:, None]  # [B, H]
+            _, _, top_weights, top_index = self.gate(prompt_mean)
+            state.merged = self.experts.merge(top_weights, top_index)
+        return self.experts.apply_merged(x, state.merged)
+
+    def _segment_routed(self, x, mask, past_length: int, state: SoapRoutingState | None) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        offset = past_length % self.segment_length  # tokens of the first segment already seen
+        if state is not None and offset and length == 1 and state.merged is not None:  # decoding inside a segment
+            self._accumulate(state, x.float() * mask[..., None], mask)
+            return self.experts.apply_merged(x, state.merged)
+        segments, segment_mask = segment_layout(x, mask, offset, self.segment_length)  # [B, n, S, H], [B, n, S]
+        sums = (segments.float() * segment_mask[..., None]).sum(2)  # [B, n, H]
+        counts = segment_mask.sum(2)  # [B, n]
+        if state is not None and offset:  # the first segment began in the cache
+            sums[:, 0] += state.input_sum
+            counts[:, 0] += state.input_count
+        means = sums / counts.clamp(min=1)[..., None]
+        route_inputs = torch.cat([self._first_route_input(means, past_length, offset, state), means[:, :-1]], 1)
+        _, _, top_weights, top_index = self.gate(route_inputs)  # [B, n, k] each
+        if past_length == 0:  # segment 0 routes on itself: its weights get no gradient
+            top_weights = torch.cat([top_weights[:, :1].detach(), top_weights[:, 1:]], dim=1)
+        n, k = segments.shape[1], top_index.shape[-1]
+        output = self.experts(
+            segments.view(batch * n, self.segment_length, hidden),
+            top_weights.reshape(batch * n, k),
+            top_index.reshape(batch * n, k),
+        )
+        if state is not None:
+            self._keep(state, route_inputs[:, -1], sums[:, -1], counts[:, -1], top_weights[:, -1], top_index[:, -1])
+        return output.view(batch, n * self.segment_length, hidden)[:, offset : offset + length]
+
+    @staticmethod
+    def _first_route_input(means, past_length: int, offset: int, state: SoapRoutingState | None) -> torch.Tensor:
+        """Routing input of the first segment of this forward: [B, 1, H]."""
+        if past_length == 0:
+            return means[:, :1]  # segment 0: its own mean
+        if state is None or state.input_sum is None:
+            raise ValueError("A SoapMoE forward after cached tokens needs the cache that holds their routing state.")
+        if offset:
+            return state.route_input[:, None]  # continuing a segment: route as it was routed
+        return (state.input_sum / state.input_count.clamp(min=1)[:, None])[:, None]  # the segment just finished
+
+    def _keep(self, state, route_input, input_sum, input_count, top_weights, top_index) -> None:
+        """Remember the last segment of this forward for the next one (generation)."""
+        state.route_input, state.input_sum, state.input_count = route_input, input_sum, input_count
+        with torch.no_grad():
+            state.merged = self.experts.merge(top_weights, top_index)
+
+    @staticmethod
+    def _accumulate(state: SoapRoutingState, masked_x: torch.Tensor, mask: torch.Tensor) -> None:
+        state.input_sum = state.input_sum + masked_x.sum(1)
+        state.input_count = state.input_count + mask.sum(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layer, model, heads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SoapMoEDecoderLayer(LlamaMoEDecoderLayer):
+    """LLaMA decoder layer whose MLP is dense or a SOAP block (`config.moe_layers`)."""
+
+    moe_block_class = SoapMoEBlock
+
+    def mlp_forward(self, hidden_states: torch.Tensor, routing_context: SoapRoutingContext | None) -> torch.Tensor:
+        if isinstance(self.mlp, SoapMoEBlock):
+            return self.mlp(hidden_states, routing_context)
+        return self.mlp(hidden_states)
+
+
+class SoapMoEPreTrainedModel(LlamaMoEPreTrainedModel):
+    config: SoapMoEConfig
+    config_class = SoapMoEConfig
+    _no_split_modules = ["SoapMoEDecoderLayer"]
+    _can_compile_fullgraph = False  # routing state lives outside the graph
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(SoapMoERouter, index=0),
+        "routing_weights": OutputRecorder(SoapMoERouter, index=1),
+        "hidden_states": SoapMoEDecoderLayer,
+        "attentions": LlamaAttention,
+    }
+    auto_heads = {
+        "AutoModel": "SoapMoEModel",
+        "AutoModelForCausalLM": "SoapMoEForCausalLM",
+        "AutoModelForSequenceClassification": "SoapMoEForSequenceClassification",
+        "AutoModelForTokenClassification": "SoapMoEForTokenClassification",
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, SoapMoEExperts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, SoapMoERouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+
+class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
+    """LlamaMoE's backbone (its forward is reused) built from SOAP decoder layers."""
+
+    decoder_layer_class = SoapMoEDecoderLayer
+    output_class = SoapMoEModelOutputWithPast
+
+    def routing_context(self, attention_mask, past_key_values, inputs_embeds) -> SoapRoutingContext:
+        length = inputs_embeds.shape[1]
+        padding_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        if past_key_values is None:
+            return SoapRoutingContext(padding_mask, 0)
+        if not hasattr(past_key_values, "soap_routing"):
+            past_key_values.soap_routing = {}
+        return SoapRoutingContext(padding_mask, past_key_values.get_seq_length(), past_key_values.soap_routing)
+
+
+class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, GenerationMixin):
+    """SoapMoE with a language-modelling head. `output_routing_weights=True` returns each layer's routing weights
+    and the expert utilisation; SOAP has no load-balancing loss (every expert is merged, none is dropped)."""
+
+    backbone_class = SoapMoEModel
+
+    def router_aux_loss(self, outputs, attention_mask) -> None:
+        return None
+
+    def causal_lm_output(self, outputs, attention_mask, **fields) -> SoapMoECausalLMOutputWithPast:
+        weights = outputs.routing_weights
+        utilization = expert_utilization(weights, self.config.utilization_threshold) if weights else None
+        return SoapMoECausalLMOutputWithPast(
+            **super().causal_lm_output(outputs, attention_mask, **fields),
+            routing_weights=weights,
+            expert_utilization=utilization,
+        )
+
+    def merged_dense_model(self, routing_weights: tuple[torch.Tensor, ...]) -> LlamaForCausalLM:
+        """A dense LLaMA whose FFN in each SOAP layer is that layer's experts merged with one row of routing weights
+        (`routing_weights[i]` `[E]`, in `config.moe_layers` order): what prompt routing runs for one prompt."""
+        if self.config.num_shared_experts:
+            raise ValueError("A model with shared experts has no dense LLaMA equivalent.")
+        llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        config = LlamaConfig(**{k: v for k, v in self.config.to_dict().items() if k in llama_fields})
+        with torch.device(self.device):
+            dense = LlamaForCausalLM(config).to(self.dtype)
+        dense.load_state_dict(self._merged_dense_state_dict(routing_weights), strict=not config.tie_word_embeddings)
+        return dense.eval()
+
+    def _merged_dense_state_dict(self, routing_weights: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        state = {k: v for k, v in self.state_dict().items() if ".mlp.gate." not in k and ".mlp.experts." not in k}
+        size = self.config.moe_intermediate_size
+        for layer_idx, weights in zip(self.config.moe_layers, routing_weights):
+            experts = self.model.layers[layer_idx].mlp.experts
+            index = torch.arange(experts.num_experts, device=weights.device)[None]
+            gate_up, down = (merged[0] for merged in experts.merge(weights[None], index))
+            scale = self.config.layer_score_scale(layer_idx)
+            prefix = f"model.layers.{layer_idx}.mlp."
+            state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"] = gate_up[:size], gate_up[size:]
+            state[prefix + "down_proj.weight"] = down * scale
+        return state
+
+
+class SoapMoEForSequenceClassification(SoapMoEPreTrainedModel, LlamaMoEForSequenceClassification):
+    backbone_class = SoapMoEModel
+
+
+class SoapMoEForTokenClassification(SoapMoEPreTrainedModel, LlamaMoEForTokenClassification):
+    backbone_class = SoapMoEModel
+
+
+__all__ = [
+    "SoapMoEBlock",
+    "SoapMoEExperts",
+    "SoapMoEForCausalLM",
+    "SoapMoEForSequenceClassification",
+    "SoapMoEForTokenClassification",
+    "SoapMoEModel",
+    "SoapMoEPreTrainedModel",
+    "SoapMoERouter",
+    "expert_utilization",
+]

@@ -1,0 +1,225 @@
+"""SoapMoE: soft-merged experts with causal segment routing (modeling, conversion, generation)."""
+
+import json
+
+import pytest
+import torch
+from helpers import load_as_remote_code, load_moe, logits, tiny_llama, tiny_llama_config
+from transformers import AutoModelForCausalLM
+
+from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
+from llama_moe_hf.commands import main
+from llama_moe_hf.conversion.families.base import dense_config_fields
+
+SEGMENT = 8
+
+
+def soap_model(seed: int = 0, **fields) -> SoapMoEForCausalLM:
+    """A tiny random SoapMoE (4 experts that differ, segments of 8 tokens), in eval mode."""
+    torch.manual_seed(seed)
+    fields = {"num_experts": 4, "segment_length": SEGMENT, "merge_chunk_size": 3} | fields
+    model = SoapMoEForCausalLM(SoapMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)).eval()
+    for layer in model.model.layers:  # a router far from uniform, so routing matters
+        layer.mlp.gate.weight.data.normal_(0, 1.0)
+    return model
+
+
+def token_ids(batch: int = 2, length: int = 30, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 120, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact identities
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("merge_top_k", [None, 2])
+def test_upcycled_soap_moe_is_the_dense_model_whatever_the_routing(merge_top_k):
+    dense = tiny_llama()
+    moe = build_moe(dense, family="soap_moe", num_experts=4, options={"segment_length": 8, "merge_top_k": merge_top_k})
+    for layer in moe.model.layers:
+        layer.mlp.gate.weight.data.normal_(0, 10.0)  # any routing
+    ids = token_ids(length=37)
+    torch.testing.assert_close(logits(moe, ids), logits(dense, ids), atol=1e-5, rtol=1e-4)
+
+
+def test_upcycled_real_model_keeps_the_dense_logits_on_real_text(smollm2, real_text):
+    dense, tokenizer = smollm2
+    moe = build_moe(dense, family="soap_moe", num_experts=2, moe_layers=["0-3"], options={"segment_length": 64})
+    ids = tokenizer(" ".join(real_text[:40]), return_tensors="pt").input_ids[:, :200]
+    with torch.no_grad():
+        expected, got = dense(ids).logits, moe(ids, output_routing_weights=True)
+    torch.testing.assert_close(got.logits, expected, atol=2e-4, rtol=1e-4)
+    assert [tuple(w.shape) for w in got.routing_weights] == [(1, 4, 2)] * 4  # 200 tokens: 4 segments of 64
+
+
+def test_noisy_upcycling_breaks_the_symmetry_but_stays_close():
+    dense = tiny_llama()
+    moe = build_moe(dense, family="soap_moe", num_experts=4, options={"upcycle_noise": 0.01})
+    experts = moe.model.layers[0].mlp.experts.gate_up_proj
+    assert not torch.equal(experts[0], experts[1])
+    ids = token_ids()
+    difference = (logits(moe, ids) - logits(dense, ids)).abs().max()
+    assert 0 < difference < 0.05
+
+
+@pytest.mark.parametrize("merge_top_k", [None, 2])
+def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(merge_top_k):
+    torch.manual_seed(0)
+    experts = soap_model(num_experts_per_tok=merge_top_k).model.layers[0].mlp.experts.double()
+    x = torch.randn(7, SEGMENT, 64, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(7, merge_top_k or 4, dtype=torch.float64, requires_grad=True)
+    index = torch.arange(4).expand(7, 4) if merge_top_k is None else torch.rand(7, 4).topk(2).indices
+    results = []
+    for forward in (experts.forward, experts.reference_forward):
+        output = forward(x, weights, index)
+        grads = torch.autograd.grad(output.square().sum(), (x, weights, experts.gate_up_proj, experts.down_proj))
+        results.append((output, *grads))
+    for fast, reference in zip(*results):
+        torch.testing.assert_close(fast, reference, atol=1e-12, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Causal segment routing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [SEGMENT, SEGMENT + 3, 2 * SEGMENT, 3 * SEGMENT - 1, 3 * SEGMENT + 5])
+def test_later_tokens_never_change_earlier_logits_across_segment_borders(t):
+    model = soap_model()
+    ids = token_ids(length=4 * SEGMENT)
+    changed = ids.clone()
+    changed[:, t:] = token_ids(length=4 * SEGMENT, seed=1)[:, t:]
+    before, after = logits(model, ids), logits(model, changed)
+    torch.testing.assert_close(after[:, :t], before[:, :t], atol=0, rtol=0)
+    assert not torch.allclose(after[:, t:], before[:, t:])
+
+
+def test_segments_are_routed_by_the_previous_segment_and_segment_0_by_itself():
+    """SOAP's first segment routes on its own mean (a change inside it changes its routing); every later segment is
+    routed by the one before it, so a change in segment j moves the routing of segment j + 1 only."""
+    model = soap_model()
+    ids = token_ids(batch=1, length=3 * SEGMENT)
+
+    def weights(input_ids):
+        with torch.no_grad():
+            return model(input_ids, output_routing_weights=True).routing_weights[0][0]  # [segments, E]
+
+    base = weights(ids)
+    in_segment_0, in_segment_1 = ids.clone(), ids.clone()
+    in_segment_0[0, SEGMENT - 1] += 1
+    in_segment_1[0, SEGMENT + 1] += 1
+    assert not torch.allclose(weights(in_segment_0)[0], base[0])
+    moved = weights(in_segment_1)
+    torch.testing.assert_close(moved[:2], base[:2], atol=0, rtol=0)
+    assert not torch.allclose(moved[2], base[2])
+
+
+def test_segment_0_routing_gets_no_gradient_later_segments_do():
+    model = soap_model().train()
+    one_segment, two_segments = token_ids(length=SEGMENT), token_ids(length=2 * SEGMENT)
+    model(one_segment, labels=one_segment).loss.backward()
+    router_grads = [layer.mlp.gate.weight.grad for layer in model.model.layers]
+    assert all(grad is None or not grad.any() for grad in router_grads)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0  # experts still learn
+    model.zero_grad()
+    model(two_segments, labels=two_segments).loss.backward()
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
+
+
+def test_padding_is_left_out_of_the_segment_means():
+    model = soap_model()
+    short, long = token_ids(batch=1, length=5), token_ids(batch=1, length=2 * SEGMENT + 3, seed=2)
+    batch = torch.cat([torch.nn.functional.pad(short, (0, long.shape[1] - 5)), long])
+    mask = (torch.arange(long.shape[1]) < torch.tensor([[5], [long.shape[1]]])).long()
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(padded[:1, :5], logits(model, short), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[1:], logits(model, long), atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_prompt_routing_generation_is_the_dense_llama_of_the_merged_weights():
+    model = soap_model(routing_mode="prompt")
+    prompt = token_ids(batch=1, length=11)
+    routed = model(prompt, use_cache=True, output_routing_weights=True).routing_weights
+    dense = model.merged_dense_model(tuple(weights[0] for weights in routed))
+    kwargs = dict(max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ours, theirs = model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(theirs.scores), atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_segment_routing_generation_matches_the_full_forward_across_segments():
+    """With the prompt covering segment 0, cached decoding re-routes at every border exactly as training does."""
+    model = soap_model(routing_mode="segment")
+    prompt = token_ids(batch=2, length=SEGMENT + 2)
+    out = model.generate(prompt, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    full = model(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.scores, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_routing_statistics_come_with_a_forward_pass():
+    model = soap_model(num_experts_per_tok=2, utilization_threshold=0.3)
+    out = model(token_ids(length=3 * SEGMENT), output_routing_weights=True, output_router_logits=True)
+    assert len(out.routing_weights) == len(out.router_logits) == 2
+    for weights in out.routing_weights:
+        assert weights.shape == (2, 3, 4)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3))
+        assert ((weights > 0).sum(-1) == 2).all()  # top-2 merging
+    expected = torch.stack([(weights >= 0.3).float().mean() for weights in out.routing_weights])
+    torch.testing.assert_close(out.expert_utilization, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files: conversion, saving, remote code
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_convert_command_upcycles_into_soap_moe_and_saves_remote_code(tmp_path, tiny_dense):
+    dense_folder, ids, dense_logits = tiny_dense
+    out = tmp_path / "soap"
+    argv = ["convert", "--model", str(dense_folder), "--output", str(out), "--no-progress", "--family", "soap_moe"]
+    assert main([*argv, "--num-experts", "4", "--segment-length", "16", "--routing-mode", "prompt"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["segment_length"], config["routing_mode"]) == ("soap_moe", 16, "prompt")
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_soap_moe.SoapMoEForCausalLM"
+    model = load_moe(out)
+    assert isinstance(model, SoapMoEForCausalLM)
+    torch.testing.assert_close(logits(model, ids), dense_logits, atol=1e-5, rtol=1e-4)
+    module, remote_logits = load_as_remote_code(out, ids[:1])
+    assert module.startswith("transformers_modules")
+    torch.testing.assert_close(remote_logits, dense_logits[0, -1], atol=1e-5, rtol=1e-4)
+    assert main(["info", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top-k", "1"], "--top-k do not apply to --family soap_moe (SoapMoE uses --merge-top-k)"),
+        (["--merge-top-k", "9"], "num_experts_per_tok (top-k merging) must be between 1 and num_experts=8"),
+        (["--segment-length", "0"], "segment_length must be at least 1"),
+        (["--soap-method", "random"], "--soap-method must be one of upcycle"),
+        (["--router-init", "selector"], "needs a method that splits the FFN's neurons"),
+    ],
+)
+def test_bad_soap_settings_get_one_clear_line(tmp_path, tiny_dense, capsys, flags, message):
+    argv = ["convert", "--model", str(tiny_dense[0]), "--output", str(tmp_path / "x"), "--family", "soap_moe"]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_and_reload_keeps_the_model(tmp_path):
+    model = soap_model(num_shared_experts=1, score_scale_factor=0.5)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids()
+    torch.testing.assert_close(logits(reloaded, ids), logits(model, ids))
