@@ -23,6 +23,8 @@ setup(
     ],
     extras_require={
         "calibration": ["datasets>=5.2", "k-means-constrained>=0.9.1", "scikit-learn"],
+        "similarity": ["scikit-learn", "faiss-cpu", "datasets>=5.2"],  # llama-moe batch-similar
+        "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
         "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
         "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2"],
         "test": [
@@ -33,6 +35,8 @@ setup(
             "datasets>=5.2",
             "k-means-constrained>=0.9.1",
             "scikit-learn",
+            "faiss-cpu",
+            "sentence-transformers",
         ],
     },
     entry_points={"console_scripts": ["llama-moe=llama_moe_cli:main"]},

@@ -9,6 +9,8 @@ bfloat16 on the GPU, compared with itself under the `eager` attention:
     generation  static-cache greedy tokens equal the dynamic cache's; a torch.compile'd (inductor, fullgraph)
                 decoding step equals the eager step
     determinism with torch.use_deterministic_algorithms(True), two forwards of the default path are bitwise equal
+    SoapMoE     upcycled equals the dense model; the merged fast path equals the reference; static-cache greedy tokens
+                equal the dynamic cache's with segment and with prompt routing
 
     python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --model path/to/dense/llama --skip-compile
@@ -102,6 +104,33 @@ def check_generation(family, model, prompt, args, report):
     compare(f"{family}: compiled decoding step", actual, expected, report)
 
 
+@torch.no_grad()
+def check_soap(dense, input_ids, args, report):
+    """SoapMoE in bf16: upcycled equals the dense model; fast merged path equals the reference path; generation with
+    the static cache equals the dynamic cache's, in both routing modes. (No compile check: its routing state lives
+    outside the graph.)"""
+    soap = build_moe(dense, family="soap_moe", num_experts=4, options={"segment_length": 64})
+    soap = soap.to(args.device, torch.bfloat16)
+    reference = dense.to(args.device, torch.bfloat16)(input_ids).logits
+    dense.float().cpu()
+    for implementation in ("sdpa", "eager"):
+        soap.set_attn_implementation(implementation)
+        compare(f"soap_moe: upcycled vs dense ({implementation})", soap(input_ids).logits, reference, report)
+    for layer in soap.model.layers:
+        layer.mlp.gate.weight.normal_(0, 1.0)  # routing that matters
+    experts, x = soap.model.layers[0].mlp.experts, torch.randn(6, 64, dense.config.hidden_size, device=args.device)
+    weights, index = torch.rand(6, 4, device=args.device).softmax(-1), torch.arange(4, device=args.device).expand(6, 4)
+    x = x.to(torch.bfloat16)
+    compare("soap_moe: merged fast path vs reference", experts(x, weights, index),
+            experts.reference_forward(x, weights, index), report)  # fmt: skip
+    for mode in ("segment", "prompt"):
+        soap.config.routing_mode = mode
+        for layer in soap.model.layers:
+            layer.mlp.routing_mode = mode
+        check_generation(f"soap_moe {mode} routing", soap, input_ids[:1, :80], argparse.Namespace(skip_compile=True),
+                         report)  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a local dense LLaMA checkpoint (default: a random 4-layer model)")
@@ -116,6 +145,7 @@ def main():
     report = []
     for family in FAMILIES:
         check_family(family, dense, input_ids, args, report)
+    check_soap(dense, input_ids, args, report)
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{device} | torch {torch.__version__}")
     for name, result, ok in report:

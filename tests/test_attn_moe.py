@@ -1,8 +1,6 @@
 """AttnMoE: attention heads as experts under grouped-query attention (LLaMA-MoE v2)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -346,6 +344,7 @@ def test_static_cache_and_compiled_decoding():
 # ---------------------------------------------------------------------------------------------------------------
 # Saving, remote code, LoRA
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     model = build_moe(

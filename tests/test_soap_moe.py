@@ -1,6 +1,7 @@
 """SoapMoE: soft-merged experts with causal segment routing (modeling, conversion, generation)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -63,10 +64,11 @@ def test_noisy_upcycling_breaks_the_symmetry_but_stays_close():
     assert 0 < difference < 0.05
 
 
+@pytest.mark.parametrize("chunk", [3, 16])  # several chunks (merged again in backward), or one (kept)
 @pytest.mark.parametrize("merge_top_k", [None, 2])
-def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(merge_top_k):
+def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(merge_top_k, chunk):
     torch.manual_seed(0)
-    experts = soap_model(num_experts_per_tok=merge_top_k).model.layers[0].mlp.experts.double()
+    experts = soap_model(num_experts_per_tok=merge_top_k, merge_chunk_size=chunk).model.layers[0].mlp.experts.double()
     x = torch.randn(7, SEGMENT, 64, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(7, merge_top_k or 4, dtype=torch.float64, requires_grad=True)
     index = torch.arange(4).expand(7, 4) if merge_top_k is None else torch.rand(7, 4).topk(2).indices
@@ -205,7 +207,7 @@ def test_convert_command_upcycles_into_soap_moe_and_saves_remote_code(tmp_path, 
         (["--top-k", "1"], "--top-k do not apply to --family soap_moe (SoapMoE uses --merge-top-k)"),
         (["--merge-top-k", "9"], "num_experts_per_tok (top-k merging) must be between 1 and num_experts=8"),
         (["--segment-length", "0"], "segment_length must be at least 1"),
-        (["--soap-method", "random"], "--soap-method must be one of upcycle"),
+        (["--soap-method", "random"], "argument --soap_method/--soap-method: invalid choice: 'random'"),
         (["--router-init", "selector"], "needs a method that splits the FFN's neurons"),
     ],
 )
@@ -223,3 +225,23 @@ def test_save_and_reload_keeps_the_model(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = token_ids()
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok (top-k merging) must be between 1 and num_experts=4"),
+        ({"segment_length": 0}, "segment_length must be at least 1"),
+        ({"routing_mode": "token"}, "Unknown routing_mode 'token'"),
+        ({"utilization_threshold": 2.0}, "utilization_threshold must be in [0, 1]"),
+        ({"moe_layers": [0, 5]}, "moe_layers must be distinct layers in 0..1"),
+    ],
+)
+def test_impossible_configs_are_refused_clearly(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SoapMoEConfig(**dense_config_fields(tiny_llama_config()), num_experts=4, **fields)
+
+
+def test_a_model_with_shared_experts_has_no_dense_equivalent():
+    with pytest.raises(ValueError, match="shared experts"):
+        soap_model(num_shared_experts=1).merged_dense_model((torch.ones(4) / 4,) * 2)

@@ -1,4 +1,5 @@
-"""`llama-moe`: convert dense LLaMA checkpoints to MoE, inspect them, chat with them, push them to the Hub.
+"""`llama-moe`: convert dense LLaMA checkpoints to MoE, inspect them, chat with them, push them to the Hub, and
+prepare similarity-batched training data.
 
 Each command is a module with `register(subparsers)` and `run(args)`, thin over the Python API; the command line is
 TRL's `TrlParser` (dataclass flags, `--config` recipe files with flags overriding them). Nothing heavy is imported
@@ -8,16 +9,20 @@ before a command runs. Bad input ends with one `error: ...` line and exit status
 import logging
 import sys
 
-from . import chat, convert, info, push
+from . import batch_similar, chat, convert, info, push
 
-COMMANDS = {"convert": convert, "info": info, "chat": chat, "push": push}
+COMMANDS = {"convert": convert, "info": info, "chat": chat, "push": push, "batch-similar": batch_similar}
 
 
 def build_parser():
     from trl import TrlParser
 
-    parser = TrlParser(prog="llama-moe", description=__doc__.split("\n")[0])
-    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=TrlParser)
+    class Parser(TrlParser):
+        def error(self, message):  # one line, not argparse's usage block
+            self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    parser = Parser(prog="llama-moe", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in COMMANDS.values():
         module.register(subparsers)
     return parser
@@ -30,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         package_logger.addHandler(logging.StreamHandler())
         package_logger.setLevel(logging.INFO)
     try:
-        (args,) = build_parser().parse_args_and_config(argv)
+        try:
+            (args,) = build_parser().parse_args_and_config(argv)
+        except SystemExit as exit:  # --help, or a flag error (one line printed already)
+            return exit.code or 0
         COMMANDS[args.command].run(args)
     except (ValueError, OSError, ImportError) as error:  # bad input, files, a missing optional package
         print(f"error: {error}", file=sys.stderr)

@@ -24,6 +24,7 @@ def flag_choices() -> dict[str, list[str]]:
             choices[fields["method"]] = [name for name, method in METHODS.items() if method.target == kind]
             choices[fields["router_init"]] = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
             choices[fields["router_type"]] = list(ROUTER_TYPES)
+    choices.pop(None, None)  # a setting some family does not have
     return choices
 
 
@@ -52,7 +53,7 @@ def register(subparsers) -> None:
     )
     choices = flag_choices()
     for action in parser._actions:
-        if action.dest in choices:
+        if action.dest in choices and action.choices is None:  # a component may narrow its own flag's choices
             action.choices = choices[action.dest]
 
 

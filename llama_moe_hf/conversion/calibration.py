@@ -97,7 +97,7 @@ def _read_text_file(path: Path, text_column: str | None) -> list[str]:
 
 
 def _load_dataset_texts(
-    name: str, text_column: str | None, split: str, max_chars: int | None, dataset_loader: Callable
+    name: str, text_column: str | None, split: str, max_chars: int | None, dataset_loader: Callable, what: str
 ) -> list[str]:
     """A `datasets` dataset, `NAME` or `NAME:CONFIG`, streamed so only what is needed is read."""
     path, _, config = name.partition(":")
@@ -113,10 +113,10 @@ def _load_dataset_texts(
         raise
     except Exception as error:
         raise ValueError(
-            f"Could not load calibration data {name!r}: it is not a local file or folder, and "
+            f"Could not load {what.lower()} {name!r}: it is not a local file or folder, and "
             f"datasets.load_dataset({path!r}{', ' + repr(config) if config else ''}, split={split!r}) failed "
             f"({type(error).__name__}: {error}). Pass a local .txt/.json/.jsonl/.parquet file or folder, a dataset "
-            "reachable from here, or omit --calibration-data to use the built-in corpus."
+            "reachable from here, or omit it to use the built-in corpus."
         ) from None
     return texts
 
@@ -128,8 +128,10 @@ def load_calibration_texts(
     split: str = "train",
     max_chars: int | None = None,
     dataset_loader: Callable | None = None,
+    what: str = "Calibration data",
 ) -> tuple[list[str], str]:
-    """Calibration documents and a one-line description of where they came from (for the log).
+    """Documents (`what`: calibration data, or the documents `batch-similar` orders) and a one-line description of
+    where they came from (for the log).
 
     `spec` is None (the built-in corpus: Python standard-library docstrings, no download), a local .txt/.md/.json/
     .jsonl/.parquet file, a folder (its files with those suffixes, recursively, in sorted order), or a
@@ -143,22 +145,22 @@ def load_calibration_texts(
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"Calibration folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files.")
+            raise ValueError(f"{what} folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files.")
         texts = [text for file in files for text in _read_text_file(file, text_column)]
         description = f"local folder {path} ({len(files)} files, {len(texts)} docs)"
     elif path.is_file():
         if path.suffix.lower() not in TEXT_SUFFIXES:
-            raise ValueError(f"Calibration file {path} must end in one of {', '.join(TEXT_SUFFIXES)}.")
+            raise ValueError(f"{what} file {path} must end in one of {', '.join(TEXT_SUFFIXES)}.")
         texts = _read_text_file(path, text_column)
         description = f"local file {path} ({len(texts)} docs)"
     else:
         if dataset_loader is None:
             from datasets import load_dataset as dataset_loader
-        texts = _load_dataset_texts(spec, text_column, split, max_chars, dataset_loader)
+        texts = _load_dataset_texts(spec, text_column, split, max_chars, dataset_loader, what)
         description = f"datasets {spec!r} split {split!r} ({len(texts)} docs)"
     texts = [text for text in texts if text.strip()]
     if not texts:
-        raise ValueError(f"Calibration data {spec!r} holds no text.")
+        raise ValueError(f"{what} {spec!r} holds no text.")
     return texts, description
 
 

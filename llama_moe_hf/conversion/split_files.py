@@ -4,9 +4,7 @@ Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[
 `layers.{i}.router` `[E, H]` float32 (when present). Metadata: `format` plus the writer's strings.
 """
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .experts import ExpertSplit
+from .writer import atomic_file
 
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
 
@@ -36,16 +35,8 @@ def save_splits(
             tensors[f"layers.{layer}.shared_neurons"] = split.shared_neurons.long().contiguous()
     for layer, router in (routers or {}).items():
         tensors[f"layers.{layer}.router"] = router.detach().float().cpu().contiguous()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": SPLIT_FILE_FORMAT, **(metadata or {})})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": SPLIT_FILE_FORMAT, **(metadata or {})})
 
 
 _SPLIT_KEY = re.compile(r"layers\.(\d+)\.(expert_neurons|shared_neurons|router)")

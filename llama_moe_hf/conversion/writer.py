@@ -140,6 +140,25 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 @contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success it replaces `path` (normal permissions), on error it is
+    removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextmanager
 def atomic_folder(output: Path) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `output`; on success it replaces `output`, on any error it is removed."""
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]

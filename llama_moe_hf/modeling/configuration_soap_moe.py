@@ -117,7 +117,9 @@ class SoapMoEConfig(LlamaConfig):
             )
         bad_layers = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad_layers or len(set(self.moe_layers)) != len(self.moe_layers):
-            raise ValueError(f"moe_layers must be distinct layers in 0..{self.num_hidden_layers - 1}: {self.moe_layers}.")
+            raise ValueError(
+                f"moe_layers must be distinct layers in 0..{self.num_hidden_layers - 1}: {self.moe_layers}."
+            )
 
     @property
     def merge_top_k(self) -> int:

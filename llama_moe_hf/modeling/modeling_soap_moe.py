@@ -122,14 +122,28 @@ def merge_experts(weights: torch.Tensor, index: torch.Tensor, experts: torch.Ten
     return merged.view(weights.shape[0], *experts.shape[1:])
 
 
-def _merge_backward(grad_merged, weights, index, experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of `merge_experts` for its weights [N, k] and experts [E, P], given the merged rows' [N, *shape]."""
+def _merge_backward(grad_merged, weights, index, experts, grad_experts) -> torch.Tensor:
+    """Backward of `merge_experts`: the gradient of its weights [N, k] is returned, that of the experts is added into
+    `grad_experts` [E, P] in place (no [E, P] temporary), given the merged rows' gradient [N, *shape]."""
     flat, grad = experts.reshape(experts.shape[0], -1), grad_merged.reshape(grad_merged.shape[0], -1)
+    weights = weights.to(grad.dtype)
     if index.shape[-1] == flat.shape[0]:
-        return grad @ flat.T, weights.to(grad.dtype).T @ grad
-    grad_weights = torch.bmm(flat[index], grad.unsqueeze(-1)).squeeze(-1)  # [N, k, P] @ [N, P, 1]
-    rows = (weights.to(grad.dtype).unsqueeze(-1) * grad.unsqueeze(1)).flatten(0, 1)  # [N * k, P]
-    return grad_weights, torch.zeros_like(flat).index_add_(0, index.flatten(), rows)
+        grad_experts.addmm_(weights.T, grad)
+        return grad @ flat.T
+    rows = (weights.unsqueeze(-1) * grad.unsqueeze(1)).flatten(0, 1)  # [N * k, P]
+    grad_experts.index_add_(0, index.flatten(), rows)
+    return torch.bmm(flat[index], grad.unsqueeze(-1)).squeeze(-1)  # [N, k, P] @ [N, P, 1]
+
+
+def _weight_grads(grad: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """grad[n]^T @ inputs[n] per row: [N, L, O], [N, L, I] -> [N, O, I]. On CPU a loop of matmuls: it ran 1.2x faster
+    than `bmm` over the transposed gradients (8 x 256 tokens, SmolLM2's FFN; docs/benchmarks.md)."""
+    if grad.device.type != "cpu":
+        return torch.bmm(grad.transpose(1, 2), inputs)
+    out = grad.new_empty(grad.shape[0], grad.shape[2], inputs.shape[2])
+    for n in range(grad.shape[0]):
+        torch.mm(grad[n].T, inputs[n], out=out[n])
+    return out
 
 
 def _chunks(rows: int, size: int):
@@ -137,8 +151,9 @@ def _chunks(rows: int, size: int):
 
 
 class SegmentMergedFFN(torch.autograd.Function):
-    """y[n] = SwiGLU(x[n]) with row n's merged weights, `chunk` rows at a time. Only one chunk of merged weights
-    exists at once: backward merges each chunk again instead of keeping all N (memory O(chunk), not O(N))."""
+    """y[n] = SwiGLU(x[n]) with row n's merged weights, `chunk` rows at a time. At most one chunk of merged weights
+    exists at once: when there are several chunks, backward merges each again instead of keeping all N (memory
+    O(chunk), not O(N)); a single chunk is kept from the forward."""
 
     @staticmethod
     def forward(ctx, x, weights, index, gate_up_proj, down_proj, act_fn, chunk):
@@ -148,34 +163,41 @@ class SegmentMergedFFN(torch.autograd.Function):
         for rows in _chunks(x.shape[0], chunk):
             gate_up = merge_experts(weights[rows], index[rows], gate_up_proj)  # [n, 2I, H]
             down = merge_experts(weights[rows], index[rows], down_proj)  # [n, H, I]
-            pre_activation[rows] = torch.bmm(x[rows], gate_up.transpose(1, 2))
+            torch.bmm(x[rows], gate_up.transpose(1, 2), out=pre_activation[rows])
             gate, up = pre_activation[rows].chunk(2, dim=-1)
-            output[rows] = torch.bmm(act_fn(gate) * up, down.transpose(1, 2))
-        ctx.save_for_backward(x, weights, index, gate_up_proj, down_proj, pre_activation)
+            torch.bmm(act_fn(gate) * up, down.transpose(1, 2), out=output[rows])
+        kept = (gate_up, down) if x.shape[0] <= chunk else ()
+        ctx.save_for_backward(x, weights, index, gate_up_proj, down_proj, pre_activation, *kept)
         ctx.act_fn, ctx.chunk = act_fn, chunk
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weights, index, gate_up_proj, down_proj, pre_activation = ctx.saved_tensors
+        x, weights, index, gate_up_proj, down_proj, pre_activation, *kept = ctx.saved_tensors
         grad_x, grad_weights = torch.empty_like(x), torch.empty_like(weights)
         grad_gate_up, grad_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
         for rows in _chunks(x.shape[0], ctx.chunk):
-            gate_up = merge_experts(weights[rows], index[rows], gate_up_proj)
-            down = merge_experts(weights[rows], index[rows], down_proj)
+            gate_up, down = kept or (merge_experts(weights[rows], index[rows], p) for p in (gate_up_proj, down_proj))
             gate, up = (t.detach().requires_grad_() for t in pre_activation[rows].chunk(2, dim=-1))
             with torch.enable_grad():
                 hidden = ctx.act_fn(gate) * up  # [n, L, I]
-            grad_down_merged = torch.bmm(grad_output[rows].transpose(1, 2), hidden.detach())  # [n, H, I]
+            grad_down_merged = _weight_grads(grad_output[rows], hidden.detach())  # [n, H, I]
             grad_hidden = torch.bmm(grad_output[rows], down)  # [n, L, I]
             grad_pre = torch.cat(torch.autograd.grad(hidden, (gate, up), grad_hidden), dim=-1)  # [n, L, 2I]
-            grad_gate_up_merged = torch.bmm(grad_pre.transpose(1, 2), x[rows])  # [n, 2I, H]
-            grad_x[rows] = torch.bmm(grad_pre, gate_up)
-            w_gate_up, e_gate_up = _merge_backward(grad_gate_up_merged, weights[rows], index[rows], gate_up_proj)
-            w_down, e_down = _merge_backward(grad_down_merged, weights[rows], index[rows], down_proj)
-            grad_weights[rows] = (w_gate_up + w_down).to(grad_weights.dtype)
-            grad_gate_up += e_gate_up.view_as(grad_gate_up)
-            grad_down += e_down.view_as(grad_down)
+            grad_gate_up_merged = _weight_grads(grad_pre, x[rows])  # [n, 2I, H]
+            torch.bmm(grad_pre, gate_up, out=grad_x[rows])
+            grad_weights[rows] = (
+                _merge_backward(
+                    grad_gate_up_merged,
+                    weights[rows],
+                    index[rows],
+                    gate_up_proj,
+                    grad_gate_up.view(gate_up_proj.shape[0], -1),
+                )
+                + _merge_backward(
+                    grad_down_merged, weights[rows], index[rows], down_proj, grad_down.view(down_proj.shape[0], -1)
+                )
+            ).to(grad_weights.dtype)
         return grad_x, grad_weights, None, grad_gate_up, grad_down, None, None
 
 

@@ -1,0 +1,106 @@
+"""`batch_similar(options)`: documents in, similarity-ordered packed sequences out (written atomically)."""
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .options import BatchSimilarOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchSimilarResult:
+    output: Path
+    documents: int
+    sequences: int
+    tokens: int
+    seconds: dict[str, float]  # per stage
+
+
+def batch_similar(options: BatchSimilarOptions, texts: list[str] | None = None, tokenizer=None) -> BatchSimilarResult:
+    """Embed the documents (`texts`, else read from `options.documents`), chain each to its nearest unvisited
+    neighbour, pack the chain into `seq_len` token sequences and write them to `options.output`."""
+    from .chaining import chain_documents
+    from .embedders import EMBEDDERS
+    from .neighbours import nearest_neighbours
+    from .packing import pack, tokenize
+
+    output, fmt = _check(options)
+    embedder = EMBEDDERS[options.embedder](options)
+    seconds, clock = {}, time.perf_counter()
+    texts = _documents(options) if texts is None else texts
+    tokenizer = tokenizer or _tokenizer(options)
+
+    def lap(stage):
+        nonlocal clock
+        seconds[stage], clock = time.perf_counter() - clock, time.perf_counter()
+
+    lap("read")
+    embeddings = embedder.embed(texts)
+    lap("embed")
+    neighbours = nearest_neighbours(embeddings, options.neighbours, options.search, options.exact_search_limit)
+    lap("neighbours")
+    order = chain_documents(neighbours, seed=options.seed, progress=options.progress)
+    lap("chain")
+    packed = pack(tokenize(texts, tokenizer, options.progress), order, options.seq_len, tokenizer.eos_token_id)
+    lap("tokenize+pack")
+    _write(packed, output, fmt, options.overwrite)
+    lap("write")
+    return BatchSimilarResult(output, len(texts), len(packed), len(packed.tokens), seconds)
+
+
+def _check(options: BatchSimilarOptions) -> tuple[Path, str]:
+    from .embedders import EMBEDDERS
+
+    if not options.output:
+        raise ValueError("--output is required (a datasets folder, or a .jsonl file).")
+    EMBEDDERS[options.embedder]  # an unknown name: one clear error before any work
+    for name in ("neighbours", "seq_len", "embedding_dim", "encoder_batch_size"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(options, name)}.")
+    output = Path(options.output).expanduser()
+    if output.exists() and not options.overwrite:
+        raise FileExistsError(f"{output} exists; pass --overwrite to replace it.")
+    return output, options.format or ("jsonl" if output.suffix == ".jsonl" else "datasets")
+
+
+def _documents(options: BatchSimilarOptions) -> list[str]:
+    from ..conversion.calibration import load_calibration_texts
+
+    texts, description = load_calibration_texts(
+        options.documents, text_column=options.text_field, split=options.split, what="Documents"
+    )
+    logger.info("Documents: %s.", description)
+    if len(texts) < 2:
+        raise ValueError(f"Need at least 2 documents to order by similarity, got {len(texts)}.")
+    return texts
+
+
+def _tokenizer(options: BatchSimilarOptions):
+    from transformers import AutoTokenizer
+
+    if options.tokenizer is None:
+        from ..conversion.sources import default_model_path
+
+        return AutoTokenizer.from_pretrained(default_model_path())
+    return AutoTokenizer.from_pretrained(options.tokenizer, trust_remote_code=options.trust_remote_code)
+
+
+def _write(packed, output: Path, fmt: str, overwrite: bool) -> None:
+    """Written next to `output` under a temporary name, renamed into place when complete."""
+    from ..conversion.writer import atomic_file, atomic_folder
+
+    if fmt == "datasets":
+        from datasets import Dataset
+
+        with atomic_folder(output) as tmp:
+            Dataset(packed.to_arrow()).save_to_disk(str(tmp))
+        return
+    if output.is_dir():
+        raise IsADirectoryError(f"{output} is a folder; JSON lines output needs a file name.")
+    with atomic_file(output) as tmp, open(tmp, "w", encoding="utf-8") as file:
+        for row in packed.rows():
+            file.write(json.dumps(row) + "\n")

@@ -1,0 +1,198 @@
+"""Pre-train a small LLaMA the SOAP way: dense for the first 5% of steps, upcycle into SoapMoE, continue training.
+
+One process (CPU, or one GPU):
+    python recipes/pretrain_soap.py --config recipes/pretrain/soap-small.yaml --output_dir outputs/soap
+The dense baseline (same steps, same data, no upcycling), and SOAP with similarity-batched data:
+    python recipes/pretrain_soap.py --config recipes/pretrain/soap-small.yaml --variant dense --output_dir outputs/dense
+    python recipes/pretrain_soap.py --config recipes/pretrain/soap-small.yaml --similarity_batching --output_dir ...
+Several processes, with the stock launcher (two CPU processes over gloo here; drop --use_cpu on GPUs):
+    torchrun --nproc_per_node 2 recipes/pretrain_soap.py --config recipes/pretrain/soap-small.yaml --use_cpu \
+        --ddp_backend gloo --output_dir outputs/soap-ddp
+
+Options: this file's `SoapPretrainArguments` and transformers' `TrainingArguments`, from flags or a YAML `--config`
+(TRL's `TrlParser`). Documents come from `--documents` (as `llama-moe batch-similar` reads them; default: the
+built-in corpus); a held-out set of whole documents is the validation text. Both stages use the same schedule
+settings; the second starts a fresh optimizer (as upcycling does: the expert tensors are new parameters) and the
+dense baseline does the same, so the only difference between the variants is the upcycling.
+Writes the final model and `results.json` (validation perplexity, tokens/s, expert utilisation) to --output_dir.
+"""
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from trl import TrlParser
+
+from llama_moe_hf import SoapMoEForCausalLM, build_moe
+from llama_moe_hf.conversion.calibration import load_calibration_texts
+from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
+from llama_moe_hf.similarity.chaining import chain_documents
+from llama_moe_hf.similarity.embedders import EMBEDDERS
+from llama_moe_hf.similarity.neighbours import nearest_neighbours
+from llama_moe_hf.similarity.options import BatchSimilarOptions
+from llama_moe_hf.similarity.packing import pack, tokenize
+
+
+@dataclass
+class SoapPretrainArguments:
+    variant: str = field(
+        default="soap",
+        metadata={"help": "soap: upcycle after the warm-up; dense: stay dense", "choices": ["soap", "dense"]},
+    )
+    similarity_batching: bool = field(default=False, metadata={"help": "order documents by similarity before packing"})
+    documents: str | None = field(default=None, metadata={"help": "documents (default: the built-in corpus)"})
+    text_field: str | None = field(default=None, metadata={"help": "text field of JSON/parquet rows"})
+    validation_documents: int = field(default=200, metadata={"help": "held-out documents for validation"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the built-in model's)"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per training sequence"})
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 688
+    dense_fraction: float = field(default=0.05, metadata={"help": "share of the steps trained dense first"})
+    num_experts: int = 8
+    segment_length: int = 256
+    merge_top_k: int | None = field(default=None, metadata={"help": "merge only the top-k experts (default: all)"})
+    upcycle_noise: float = field(default=0.0, metadata={"help": "noise on the expert copies (fraction of std)"})
+    validation_sequences: int = field(default=64, metadata={"help": "validation sequences evaluated at most"})
+
+
+def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]:
+    """Packed training and validation sequences from disjoint documents (a seeded split)."""
+    texts, _ = load_calibration_texts(args.documents, text_column=args.text_field, what="Documents")
+    order = np.random.default_rng(0).permutation(len(texts))
+    validation = [texts[i] for i in order[: args.validation_documents]]
+    train = [texts[i] for i in order[args.validation_documents :]]
+    train_order = np.random.default_rng(1).permutation(len(train))
+    if args.similarity_batching:
+        embeddings = EMBEDDERS["tfidf"](BatchSimilarOptions(progress=False)).embed(train)
+        train_order = chain_documents(nearest_neighbours(embeddings, 10), seed=0)
+    return _sequences(train, train_order, tokenizer, args.seq_len), _sequences(
+        validation, np.arange(len(validation)), tokenizer, args.seq_len, limit=args.validation_sequences
+    )
+
+
+def _sequences(texts, order, tokenizer, seq_len: int, limit: int | None = None) -> Dataset:
+    packed = pack(tokenize(texts, tokenizer), order, seq_len, tokenizer.eos_token_id)
+    rows = [row["input_ids"] for row in packed.rows() if len(row["input_ids"]) == seq_len][:limit]
+    return Dataset.from_dict({"input_ids": rows, "labels": rows})
+
+
+def dense_model(args: SoapPretrainArguments, tokenizer, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+class RoutingTrainer(Trainer):
+    """Adds the SOAP layers' expert utilisation on a fixed validation batch to every training log line."""
+
+    routing_batch: torch.Tensor | None = None
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if isinstance(self.model, SoapMoEForCausalLM) and self.routing_batch is not None and "loss" in logs:
+            logs["expert_utilization"] = round(routing_statistics(self.model, self.routing_batch)["utilization"], 4)
+        super().log(logs, *args, **kwargs)
+
+
+@torch.no_grad()
+def routing_statistics(model: SoapMoEForCausalLM, input_ids: torch.Tensor) -> dict:
+    """Expert utilisation (share of experts at or above the threshold), mean largest routing weight, and each
+    layer's utilisation, on `input_ids`."""
+    was_training = model.training
+    model.eval()
+    weights = model(input_ids.to(model.device), output_routing_weights=True).routing_weights
+    model.train(was_training)
+    per_layer = expert_utilization(weights, model.config.utilization_threshold)
+    return {
+        "utilization": per_layer.mean().item(),
+        "utilization_per_layer": [round(u, 4) for u in per_layer.tolist()],
+        "mean_max_weight": torch.stack([w.max(-1).values.mean() for w in weights]).mean().item(),
+    }
+
+
+def train_stage(model, training: TrainingArguments, train: Dataset, steps: int, seed: int, routing_batch):
+    """`steps` optimiser steps of `model` on `train` (data order from `seed`); returns (trainer, seconds)."""
+    stage_args = dataclasses.replace(training, max_steps=steps, seed=seed, save_strategy="no")
+    trainer = RoutingTrainer(model=model, args=stage_args, train_dataset=train)
+    trainer.routing_batch = routing_batch
+    start = time.perf_counter()
+    trainer.train()
+    return trainer, time.perf_counter() - start
+
+
+def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForCausalLM:
+    options = {"segment_length": args.segment_length, "merge_top_k": args.merge_top_k}
+    if args.upcycle_noise:
+        options["upcycle_noise"] = args.upcycle_noise
+    return build_moe(model, family="soap_moe", num_experts=args.num_experts, options=options).train()
+
+
+def main(argv=None) -> None:
+    args, training = TrlParser((SoapPretrainArguments, TrainingArguments)).parse_args_and_config(argv)
+    tokenizer = _tokenizer(args)
+    train, validation = load_data(args, tokenizer)
+    routing_batch = torch.tensor(validation[:4]["input_ids"])
+    model = dense_model(args, tokenizer, training.seed)
+    warm_steps = max(1, round(args.dense_fraction * training.max_steps))
+    _, warm_seconds = train_stage(model, training, train, warm_steps, training.seed, routing_batch)
+    if args.variant == "soap":
+        model = upcycle(model, args)
+    steps = training.max_steps - warm_steps
+    trainer, seconds = train_stage(model, training, train, steps, training.seed + 1, routing_batch)
+    if trainer.is_world_process_zero():
+        trainer.save_model(training.output_dir)
+        tokenizer.save_pretrained(training.output_dir)
+    results = evaluate(trainer, model, args, validation, routing_batch)
+    tokens = training.max_steps * training.per_device_train_batch_size * training.world_size * args.seq_len
+    tokens *= training.gradient_accumulation_steps
+    results.update(
+        train_tokens=tokens,
+        train_seconds=round(warm_seconds + seconds, 1),
+        tokens_per_second=round(tokens / (warm_seconds + seconds), 1),
+        parameters=sum(p.numel() for p in model.parameters()),
+        arguments=asdict(args),
+    )
+    if trainer.is_world_process_zero():
+        with open(f"{training.output_dir}/results.json", "w") as file:
+            json.dump(results, file, indent=2)
+        print(json.dumps({k: v for k, v in results.items() if k != "arguments"}))
+
+
+def evaluate(trainer, model, args, validation: Dataset, routing_batch) -> dict:
+    loss = trainer.evaluate(validation)["eval_loss"]
+    results = {"variant": args.variant, "similarity_batching": args.similarity_batching}
+    results.update(validation_loss=round(loss, 4), validation_perplexity=round(math.exp(loss), 2))
+    if isinstance(model, SoapMoEForCausalLM):
+        results["routing"] = routing_statistics(model, routing_batch)
+    return results
+
+
+def _tokenizer(args: SoapPretrainArguments):
+    if args.tokenizer is None:
+        from llama_moe_hf.conversion.sources import default_model_path
+
+        return AutoTokenizer.from_pretrained(default_model_path())
+    return AutoTokenizer.from_pretrained(args.tokenizer)
+
+
+if __name__ == "__main__":
+    main()
