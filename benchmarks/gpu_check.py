@@ -17,6 +17,7 @@ bfloat16 on the GPU, compared with itself under the `eager` attention:
 """
 
 import argparse
+import copy
 import importlib.util
 
 import torch
@@ -111,8 +112,7 @@ def check_soap(dense, input_ids, args, report):
     outside the graph.)"""
     soap = build_moe(dense, family="soap_moe", num_experts=4, options={"segment_length": 64})
     soap = soap.to(args.device, torch.bfloat16)
-    reference = dense.to(args.device, torch.bfloat16)(input_ids).logits
-    dense.float().cpu()
+    reference = copy.deepcopy(dense).to(args.device, torch.bfloat16)(input_ids).logits
     for implementation in ("sdpa", "eager"):
         soap.set_attn_implementation(implementation)
         compare(f"soap_moe: upcycled vs dense ({implementation})", soap(input_ids).logits, reference, report)

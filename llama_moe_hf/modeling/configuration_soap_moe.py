@@ -1,11 +1,13 @@
 """SoapMoE configuration: a LLaMA config plus the fields of SOAP's soft-merged, segment-routed experts.
 
-This file is copied next to saved checkpoints (remote code), so it only imports from transformers and
-huggingface_hub.
+This file is copied next to saved checkpoints (remote code), so it only imports from transformers,
+huggingface_hub and `.configuration_llama_moe`.
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
+
+from .configuration_llama_moe import LlamaMoEConfig
 
 ROUTING_MODES = ("segment", "prompt")
 
@@ -48,18 +50,9 @@ class SoapMoEConfig(LlamaConfig):
 
     model_type = "soap_moe"
     # Experts are merged, not dispatched: no expert parallelism, and the merged FFN runs on the full expert tensors
-    # (so they stay replicated); attention and the dense MLPs shard as in LLaMA.
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-    }
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    # (so they stay replicated); attention shards as in LLaMA (LlamaMoE's rules for it).
+    base_model_tp_plan = {k: v for k, v in LlamaMoEConfig.base_model_tp_plan.items() if ".self_attn." in k}
+    base_model_pp_plan = LlamaMoEConfig.base_model_pp_plan
 
     num_experts: int = 8
     num_experts_per_tok: int | None = None
@@ -126,10 +119,7 @@ class SoapMoEConfig(LlamaConfig):
         """Experts merged per segment."""
         return self.num_experts_per_tok or self.num_experts
 
-    def layer_score_scale(self, layer_idx: int) -> float:
-        if isinstance(self.score_scale_factor, list):
-            return float(self.score_scale_factor[layer_idx])
-        return float(self.score_scale_factor)
+    layer_score_scale = LlamaMoEConfig.layer_score_scale
 
 
 __all__ = ["SoapMoEConfig"]

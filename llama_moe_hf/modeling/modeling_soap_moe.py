@@ -186,17 +186,10 @@ class SegmentMergedFFN(torch.autograd.Function):
             grad_pre = torch.cat(torch.autograd.grad(hidden, (gate, up), grad_hidden), dim=-1)  # [n, L, 2I]
             grad_gate_up_merged = _weight_grads(grad_pre, x[rows])  # [n, 2I, H]
             torch.bmm(grad_pre, gate_up, out=grad_x[rows])
-            grad_weights[rows] = (
-                _merge_backward(
-                    grad_gate_up_merged,
-                    weights[rows],
-                    index[rows],
-                    gate_up_proj,
-                    grad_gate_up.view(gate_up_proj.shape[0], -1),
-                )
-                + _merge_backward(
-                    grad_down_merged, weights[rows], index[rows], down_proj, grad_down.view(down_proj.shape[0], -1)
-                )
+            merged_grads = ((grad_gate_up_merged, gate_up_proj, grad_gate_up), (grad_down_merged, down_proj, grad_down))
+            grad_weights[rows] = sum(
+                _merge_backward(grad, weights[rows], index[rows], experts, total.view(experts.shape[0], -1))
+                for grad, experts, total in merged_grads
             ).to(grad_weights.dtype)
         return grad_x, grad_weights, None, grad_gate_up, grad_down, None, None
 

@@ -43,14 +43,18 @@ class TfidfEmbedder:
         return _normalised(svd.fit_transform(tfidf))
 
 
-@EMBEDDERS.register("sentence-transformers")
-class SentenceTransformersEmbedder:
-    description = "a sentence-transformers model (--encoder)"
+class EncoderEmbedder:
+    """An embedder that runs a model named by `--encoder`."""
 
     def __init__(self, options):
         if not options.encoder:
-            raise ValueError("--embedder sentence-transformers needs --encoder MODEL.")
+            raise ValueError(f"--embedder {self.name} needs --encoder MODEL.")
         self.options = options
+
+
+@EMBEDDERS.register("sentence-transformers")
+class SentenceTransformersEmbedder(EncoderEmbedder):
+    description = "a sentence-transformers model (--encoder)"
 
     def embed(self, texts: list[str]) -> np.ndarray:
         try:
@@ -66,13 +70,8 @@ class SentenceTransformersEmbedder:
 
 
 @EMBEDDERS.register("transformers")
-class TransformersEmbedder:
+class TransformersEmbedder(EncoderEmbedder):
     description = "a transformers encoder (--encoder), mean-pooled over its tokens"
-
-    def __init__(self, options):
-        if not options.encoder:
-            raise ValueError("--embedder transformers needs --encoder MODEL.")
-        self.options = options
 
     def embed(self, texts: list[str]) -> np.ndarray:
         import torch
