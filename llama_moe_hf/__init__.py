@@ -39,6 +39,8 @@ _EXPORTS = {
     "convert_to_moe": "llama_moe_hf.conversion.pipeline",
     "ConversionResult": "llama_moe_hf.conversion.pipeline",
     "push_folder": "llama_moe_hf.conversion.hub",
+    "batch_similar": "llama_moe_hf.similarity.pipeline",
+    "BatchSimilarOptions": "llama_moe_hf.similarity.options",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
