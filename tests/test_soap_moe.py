@@ -167,6 +167,29 @@ def test_segment_routing_generation_matches_the_full_forward_across_segments():
     torch.testing.assert_close(torch.stack(out.scores, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("routing_mode", ["segment", "prompt"])
+def test_beam_search_keeps_each_beams_routing(routing_mode):
+    """Every returned beam's score is the log-probability a fresh forward of its own tokens gives: the routing state
+    followed the beams across segment borders (prompt routing: each row keeps its prompt's merged FFN)."""
+    model = soap_model(routing_mode=routing_mode)
+    prompt = token_ids(batch=2, length=SEGMENT + 2)
+    kwargs = dict(num_beams=3, num_return_sequences=3, length_penalty=0.0, do_sample=False)
+    out = model.generate(
+        prompt, max_new_tokens=14, min_new_tokens=14, output_scores=True, return_dict_in_generate=True, **kwargs
+    )
+    rows = prompt.repeat_interleave(3, dim=0)
+    if routing_mode == "prompt":  # a fresh forward routes on all it sees: score the continuation with a cache instead
+        prefill = model(rows, use_cache=True)
+        rest = model(out.sequences[:, prompt.shape[1] : -1], past_key_values=prefill.past_key_values).logits
+        step_logits = torch.cat([prefill.logits[:, -1:], rest], dim=1)
+    else:
+        step_logits = model(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
+    new_tokens = out.sequences[:, prompt.shape[1] :]
+    expected = step_logits.log_softmax(-1).gather(-1, new_tokens[..., None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_routing_statistics_come_with_a_forward_pass():
     model = soap_model(num_experts_per_tok=2, utilization_threshold=0.3)
     out = model(token_ids(length=3 * SEGMENT), output_routing_weights=True, output_router_logits=True)

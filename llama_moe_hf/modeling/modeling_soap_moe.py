@@ -244,6 +244,14 @@ class SoapRoutingState:
     input_count: torch.Tensor | None = None
     merged: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def reorder(self, beam_idx: torch.LongTensor) -> None:
+        """Follow the rows of the cache (beam search)."""
+        for name in ("route_input", "input_sum", "input_count"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, beam_idx))
+        if self.merged is not None:
+            self.merged = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.merged)
+
 
 @dataclass
 class SoapRoutingContext:
@@ -424,6 +432,13 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
 
     def router_aux_loss(self, outputs, attention_mask) -> None:
         return None
+
+    def _reorder_cache(self, past_key_values, beam_idx: torch.LongTensor):
+        """Beam search: the SOAP layers' routing states follow the KV cache's rows."""
+        past_key_values.reorder_cache(beam_idx)
+        for state in getattr(past_key_values, "soap_routing", {}).values():
+            state.reorder(beam_idx)
+        return past_key_values
 
     def causal_lm_output(self, outputs, attention_mask, **fields) -> SoapMoECausalLMOutputWithPast:
         weights = outputs.routing_weights
