@@ -129,6 +129,13 @@ def test_segment_0_routing_gets_no_gradient_later_segments_do():
     assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
 
 
+def test_training_routes_by_segments_in_either_routing_mode():
+    """`routing_mode` is for generation: a training forward (which gets a cache by default) routes by segments."""
+    ids = token_ids(length=4 * SEGMENT)
+    losses = [soap_model(routing_mode=mode).train()(ids, labels=ids).loss for mode in ("segment", "prompt")]
+    torch.testing.assert_close(losses[1], losses[0], atol=0, rtol=0)
+
+
 def test_padding_is_left_out_of_the_segment_means():
     model = soap_model()
     short, long = token_ids(batch=1, length=5), token_ids(batch=1, length=2 * SEGMENT + 3, seed=2)

@@ -36,7 +36,8 @@ class SoapMoEConfig(LlamaConfig):
             - `"segment"`: as in training; the merged FFN is re-merged every `segment_length` tokens.
             - `"prompt"`: route once on the mean of the whole prompt and generate with that merged FFN (as fast as
               the dense model).
-            A forward without a cache (training, evaluation) always routes by segments.
+            Training, and any forward without a cache, route by segments; in eval mode a forward with a cache (the
+            default `use_cache`) is a prefill and routes by this mode.
         utilization_threshold (`float`, defaults to 0.05): an expert counts as used in a segment when its routing
             weight is at least this (the `expert_utilization` statistic).
         merge_chunk_size (`int`, defaults to 16): segments merged at once; the merged weights of one chunk,

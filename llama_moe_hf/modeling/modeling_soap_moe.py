@@ -331,13 +331,19 @@ class SoapMoEBlock(nn.Module):
         if past_length == 0:  # segment 0 routes on itself: its weights get no gradient
             top_weights = torch.cat([top_weights[:, :1].detach(), top_weights[:, 1:]], dim=1)
         n, k = segments.shape[1], top_index.shape[-1]
+        if state is not None and n == 1:  # generation inside one segment: merge once, run the real tokens only
+            merged = self.experts.merge(top_weights[:, 0], top_index[:, 0])
+            self._keep(state, route_inputs[:, 0], sums[:, 0], counts[:, 0], merged)
+            return self.experts.apply_merged(x, merged)
         output = self.experts(
             segments.view(batch * n, self.segment_length, hidden),
             top_weights.reshape(batch * n, k),
             top_index.reshape(batch * n, k),
         )
         if state is not None:
-            self._keep(state, route_inputs[:, -1], sums[:, -1], counts[:, -1], top_weights[:, -1], top_index[:, -1])
+            with torch.no_grad():
+                merged = self.experts.merge(top_weights[:, -1], top_index[:, -1])
+            self._keep(state, route_inputs[:, -1], sums[:, -1], counts[:, -1], merged)
         return output.view(batch, n * self.segment_length, hidden)[:, offset : offset + length]
 
     @staticmethod
@@ -351,11 +357,11 @@ class SoapMoEBlock(nn.Module):
             return state.route_input[:, None]  # continuing a segment: route as it was routed
         return (state.input_sum / state.input_count.clamp(min=1)[:, None])[:, None]  # the segment just finished
 
-    def _keep(self, state, route_input, input_sum, input_count, top_weights, top_index) -> None:
+    @staticmethod
+    def _keep(state: SoapRoutingState, route_input, input_sum, input_count, merged) -> None:
         """Remember the last segment of this forward for the next one (generation)."""
         state.route_input, state.input_sum, state.input_count = route_input, input_sum, input_count
-        with torch.no_grad():
-            state.merged = self.experts.merge(top_weights, top_index)
+        state.merged = tuple(t.detach() for t in merged)
 
     @staticmethod
     def _accumulate(state: SoapRoutingState, masked_x: torch.Tensor, mask: torch.Tensor) -> None:
@@ -419,6 +425,8 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
         padding_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
         if past_key_values is None:
             return SoapRoutingContext(padding_mask, 0)
+        if self.training:  # training routes by segments whatever `routing_mode` says, and keeps no routing state
+            return SoapRoutingContext(padding_mask, past_key_values.get_seq_length())
         if not hasattr(past_key_values, "soap_routing"):
             past_key_values.soap_routing = {}
         return SoapRoutingContext(padding_mask, past_key_values.get_seq_length(), past_key_values.soap_routing)
