@@ -26,17 +26,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from trl import TrlParser
 
 from llama_moe_hf import SoapMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.calibration import load_calibration_texts
 from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
-from llama_moe_hf.similarity.chaining import chain_documents
-from llama_moe_hf.similarity.embedders import EMBEDDERS
-from llama_moe_hf.similarity.neighbours import nearest_neighbours
 from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
+from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
 
 
 @dataclass
@@ -71,9 +69,8 @@ def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]
     validation = [texts[i] for i in order[: args.validation_documents]]
     train = [texts[i] for i in order[args.validation_documents :]]
     train_order = np.random.default_rng(1).permutation(len(train))
-    if args.similarity_batching:
-        embeddings = EMBEDDERS["tfidf"](BatchSimilarOptions(progress=False)).embed(train)
-        train_order = chain_documents(nearest_neighbours(embeddings, 10), seed=0)
+    if args.similarity_batching:  # `llama-moe batch-similar`'s defaults
+        train_order = SimilarityOrder(BatchSimilarOptions(progress=False))(train)
     return _sequences(train, train_order, tokenizer, args.seq_len), _sequences(
         validation, np.arange(len(validation)), tokenizer, args.seq_len, limit=args.validation_sequences
     )
@@ -148,7 +145,7 @@ def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForC
 
 def main(argv=None) -> None:
     args, training = TrlParser((SoapPretrainArguments, TrainingArguments)).parse_args_and_config(argv)
-    tokenizer = _tokenizer(args)
+    tokenizer = load_tokenizer(args.tokenizer)
     train, validation = load_data(args, tokenizer)
     routing_batch = torch.tensor(validation[:4]["input_ids"])
     model = dense_model(args, tokenizer, training.seed)
@@ -184,14 +181,6 @@ def evaluate(trainer, model, args, validation: Dataset, routing_batch) -> dict:
     if isinstance(model, SoapMoEForCausalLM):
         results["routing"] = routing_statistics(model, routing_batch)
     return results
-
-
-def _tokenizer(args: SoapPretrainArguments):
-    if args.tokenizer is None:
-        from llama_moe_hf.conversion.sources import default_model_path
-
-        return AutoTokenizer.from_pretrained(default_model_path())
-    return AutoTokenizer.from_pretrained(args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -23,28 +23,20 @@ class BatchSimilarResult:
 def batch_similar(options: BatchSimilarOptions, texts: list[str] | None = None, tokenizer=None) -> BatchSimilarResult:
     """Embed the documents (`texts`, else read from `options.documents`), chain each to its nearest unvisited
     neighbour, pack the chain into `seq_len` token sequences and write them to `options.output`."""
-    from .chaining import chain_documents
-    from .embedders import EMBEDDERS
-    from .neighbours import nearest_neighbours
     from .packing import pack, tokenize
 
     output, fmt = _check(options)
-    embedder = EMBEDDERS[options.embedder](options)
+    order_documents = SimilarityOrder(options)  # an unknown embedder or a missing --encoder: one error before any work
     seconds, clock = {}, time.perf_counter()
     texts = _documents(options) if texts is None else texts
-    tokenizer = tokenizer or _tokenizer(options)
+    tokenizer = tokenizer or load_tokenizer(options.tokenizer, options.trust_remote_code)
 
     def lap(stage):
         nonlocal clock
         seconds[stage], clock = time.perf_counter() - clock, time.perf_counter()
 
     lap("read")
-    embeddings = embedder.embed(texts)
-    lap("embed")
-    neighbours = nearest_neighbours(embeddings, options.neighbours, options.search, options.exact_search_limit)
-    lap("neighbours")
-    order = chain_documents(neighbours, seed=options.seed, progress=options.progress)
-    lap("chain")
+    order = order_documents(texts, lap)
     packed = pack(tokenize(texts, tokenizer, options.progress), order, options.seq_len, tokenizer.eos_token_id)
     lap("tokenize+pack")
     _write(packed, output, fmt, options.overwrite)
@@ -52,12 +44,31 @@ def batch_similar(options: BatchSimilarOptions, texts: list[str] | None = None, 
     return BatchSimilarResult(output, len(texts), len(packed), len(packed.tokens), seconds)
 
 
-def _check(options: BatchSimilarOptions) -> tuple[Path, str]:
-    from .embedders import EMBEDDERS
+class SimilarityOrder:
+    """Documents -> their similarity order (a permutation): embed, nearest neighbours, greedy chain."""
 
+    def __init__(self, options: BatchSimilarOptions):
+        from .embedders import EMBEDDERS
+
+        self.options, self.embedder = options, EMBEDDERS[options.embedder](options)
+
+    def __call__(self, texts: list[str], lap=lambda stage: None):
+        from .chaining import chain_documents
+        from .neighbours import nearest_neighbours
+
+        options = self.options
+        embeddings = self.embedder.embed(texts)
+        lap("embed")
+        neighbours = nearest_neighbours(embeddings, options.neighbours, options.search, options.exact_search_limit)
+        lap("neighbours")
+        order = chain_documents(neighbours, seed=options.seed, progress=options.progress)
+        lap("chain")
+        return order
+
+
+def _check(options: BatchSimilarOptions) -> tuple[Path, str]:
     if not options.output:
         raise ValueError("--output is required (a datasets folder, or a .jsonl file).")
-    EMBEDDERS[options.embedder]  # an unknown name: one clear error before any work
     for name in ("neighbours", "seq_len", "embedding_dim", "encoder_batch_size"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(options, name)}.")
@@ -79,14 +90,15 @@ def _documents(options: BatchSimilarOptions) -> list[str]:
     return texts
 
 
-def _tokenizer(options: BatchSimilarOptions):
+def load_tokenizer(name: str | None, trust_remote_code: bool = False):
+    """The tokenizer of a folder or Hub id; None: the built-in default model's."""
     from transformers import AutoTokenizer
 
-    if options.tokenizer is None:
+    if name is None:
         from ..conversion.sources import default_model_path
 
         return AutoTokenizer.from_pretrained(default_model_path())
-    return AutoTokenizer.from_pretrained(options.tokenizer, trust_remote_code=options.trust_remote_code)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def _write(packed, output: Path, fmt: str, overwrite: bool) -> None:
