@@ -81,16 +81,6 @@ class AttnMoEFamily(ModelFamily):
                 options["attn_top_k"] = max(1, options["attn_experts"] // 2)
         return dataclasses.replace(recipe, options=options)
 
-    def config_class(self):
-        from ...modeling import AttnMoEConfig
-
-        return AttnMoEConfig
-
-    def model_class(self):
-        from ...modeling import AttnMoEForCausalLM
-
-        return AttnMoEForCausalLM
-
     def build_config(self, dense_config, recipe, plan):
         attention = plan.targets[ATTENTION]
         fields = mlp_config_fields(recipe, plan) if MLP in plan.targets else {"moe_layers": []}

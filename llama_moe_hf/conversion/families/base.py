@@ -56,10 +56,21 @@ class ModelFamily:
         """Family-specific refusals (one ValueError)."""
 
     def config_class(self):
-        raise NotImplementedError
+        """The config class registered (`modeling.MODEL_FAMILIES`) under this family's model_type."""
+        return self._modeling()[0]
 
     def model_class(self):
-        raise NotImplementedError
+        """The family's causal-LM head (its `auto_heads["AutoModelForCausalLM"]`)."""
+        _, base, module = self._modeling()
+        return getattr(module, base.auto_heads["AutoModelForCausalLM"])
+
+    def _modeling(self) -> tuple:
+        from ...modeling import MODEL_FAMILIES
+
+        for config_class, (base, module) in MODEL_FAMILIES.items():
+            if config_class.model_type == self.name:
+                return config_class, base, module
+        raise ValueError(f"No model classes are registered for family {self.name!r}.")
 
     def build_config(self, dense_config, recipe, plan) -> object:
         raise NotImplementedError

@@ -8,16 +8,6 @@ from .base import ModelFamily, dense_config_fields, mlp_card_rows, mlp_config_fi
 class LlamaMoEFamily(ModelFamily):
     description = "LLaMA with Mixture-of-Experts MLPs (LLaMA-MoE v1/v2, sparse upcycling, G-MoEfication)"
 
-    def config_class(self):
-        from ...modeling import LlamaMoEConfig
-
-        return LlamaMoEConfig
-
-    def model_class(self):
-        from ...modeling import LlamaMoEForCausalLM
-
-        return LlamaMoEForCausalLM
-
     def build_config(self, dense_config, recipe, plan):
         return self.config_class()(**dense_config_fields(dense_config), **mlp_config_fields(recipe, plan))
 

@@ -54,16 +54,6 @@ class SoapMoEFamily(ModelFamily):
             hint = f" (SoapMoE uses {', '.join(instead)})" if instead else ""
             raise ValueError(f"{flags} do not apply to --family soap_moe{hint}.")
 
-    def config_class(self):
-        from ...modeling import SoapMoEConfig
-
-        return SoapMoEConfig
-
-    def model_class(self):
-        from ...modeling import SoapMoEForCausalLM
-
-        return SoapMoEForCausalLM
-
     def build_config(self, dense_config, recipe, plan):
         target = plan.targets[MLP]
         method, _ = plan.components[MLP]
