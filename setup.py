@@ -26,7 +26,8 @@ setup(
         "similarity": ["scikit-learn", "faiss-cpu", "datasets>=5.2"],  # llama-moe batch-similar
         "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
         "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
-        "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2"],
+        "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2", "matplotlib"],  # matplotlib: the demonstrations' plots
+        "deepspeed": ["deepspeed>=0.18"],  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
         "test": [
             "pytest",
             "psutil",
@@ -37,6 +38,7 @@ setup(
             "scikit-learn",
             "faiss-cpu",
             "sentence-transformers",
+            "deepspeed>=0.18",  # the ZeRO configs are validated and run on CPU
         ],
     },
     entry_points={"console_scripts": ["llama-moe=llama_moe_cli:main"]},

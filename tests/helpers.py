@@ -64,6 +64,22 @@ def save_tiny_dense(path: Path, seed: int = 0, **save_kwargs) -> LlamaForCausalL
     return model
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def save_tiny_moe(path: Path, seed: int = 0, **moe_fields) -> LlamaMoEForCausalLM:
+    """`tiny_moe` saved with a character tokenizer that has a chat template (a converted checkpoint to train)."""
+    model = tiny_moe(seed, **moe_fields)
+    model.save_pretrained(path)
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return model
+
+
 def token_batch(batch_size: int = 2, length: int = 12, vocab_size: int = TINY_VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, vocab_size, (batch_size, length), generator=torch.Generator().manual_seed(seed))
 

@@ -41,7 +41,7 @@ def smollm2_moe_top2(smollm2):
         ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
         ({"num_experts": 4, "num_experts_per_tok": 0}, "num_experts_per_tok"),
         ({"num_experts": 0, "moe_intermediate_size": 8}, "num_experts must be at least 1"),
-        ({"router_type": "expert_choice"}, "Unknown router_type 'expert_choice'"),
+        ({"router_type": "expert-choice"}, "Unknown router_type 'expert-choice'"),
         ({"score_scale_factor": [1.0, 2.0, 3.0]}, "score_scale_factor has 3 values"),
         ({"moe_layers": [0, 2]}, r"moe_layers \[2\] are outside"),
         ({"moe_layers": [-1]}, r"moe_layers \[-1\] are outside"),

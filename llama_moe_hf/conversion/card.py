@@ -54,7 +54,7 @@ builds the same weights again):
 Active parameters count everything a token uses: embeddings, attention, norms, routers, shared experts and the
 routed experts it is sent to. Computed exactly from the tensor shapes.
 
-{_usage(model_id)}
+{usage_section(model_id)}
 
 ## References
 
@@ -86,7 +86,8 @@ def _settings_rows(plan, source) -> str:
     return "\n".join(f"| {name} | {value} |" for name, value in settings)
 
 
-def _usage(model_id: str) -> str:
+def usage_section(model_id: str) -> str:
+    """The card's Usage section for the repository or folder `model_id`."""
     return f"""## Usage
 
 With the package installed (`pip install llama-moe-hf`):

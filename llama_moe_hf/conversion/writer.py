@@ -139,6 +139,19 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def current_umask() -> int:
+    umask = os.umask(0)  # reading the umask means setting it: put it back at once
+    os.umask(umask)
+    return umask
+
+
+def normal_permissions(folder: Path) -> None:
+    """Files 0o666 and folders 0o777 minus the umask, under `folder` (transformers writes safetensors files 0o600)."""
+    umask = current_umask()
+    for path in Path(folder).rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path` (normal permissions), on error it is
@@ -147,11 +160,9 @@ def atomic_file(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -164,9 +175,7 @@ def atomic_folder(output: Path) -> Iterator[Path]:
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output folder should not be
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; the output folder should not be
     old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))
     try:
         yield tmp

@@ -10,6 +10,8 @@ from .configuration_llama_moe import ROUTER_TYPES, LlamaMoEConfig
 
 ATTENTION_EXPERT_GRANULARITIES = ("kv_group", "query_heads")
 ATTENTION_EXPERTS_IMPLEMENTATIONS = ("masked", "gathered")
+# Expert choice gives a token 0..E experts from the whole batch; the attention experts only implement token choice.
+ATTENTION_ROUTER_TYPES = tuple(name for name in ROUTER_TYPES if name != "expert_choice")
 
 
 def valid_attention_expert_counts(num_heads: int, num_kv_heads: int, granularity: str) -> list[int]:
@@ -46,8 +48,9 @@ class AttnMoEConfig(LlamaMoEConfig):
             two coincide when the counts are equal).
         attention_score_scale_factor (`float` or `list[float]`, defaults to 1.0): rescaling of the attention expert
             outputs (like `score_scale_factor`); one value or one per decoder layer.
-        attention_router_type (`str`, *optional*): router of the attention experts, one of LlamaMoE's router types.
-            Defaults to `router_type`.
+        attention_router_type (`str`, *optional*): router of the attention experts, one of LlamaMoE's token-choice
+            router types (not `"expert_choice"`). Defaults to `router_type` (`"top_k"` when that is
+            `"expert_choice"`).
         attention_moe_layers (`list[int]`, *optional*): decoder layers with attention MoE; the others keep dense
             attention. Defaults to every layer.
         attention_experts_implementation (`str`, defaults to `"masked"`): how the routed heads are computed; both
@@ -60,8 +63,8 @@ class AttnMoEConfig(LlamaMoEConfig):
 
     The MLP side: `moe_layers` defaults to `[]` here (dense MLP everywhere). With no MLP MoE layer, `num_experts`
     and `num_experts_per_tok` are set to the attention values, because they are what the load-balancing loss (and
-    TRL's SFTTrainer) read for the routers in `router_logits`. `router_aux_loss_coef`, `router_z_loss_coef` and
-    `output_router_logits` apply to the attention routers too.
+    TRL's SFTTrainer) read for the routers in `router_logits`. `router_aux_loss_coef`, `router_z_loss_coef`,
+    `router_mi_loss_coef` and `output_router_logits` apply to the attention routers too.
     """
 
     model_type = "attn_moe"
@@ -85,7 +88,7 @@ class AttnMoEConfig(LlamaMoEConfig):
                 "kv_group" if self.num_attention_experts <= num_kv_heads else "query_heads"
             )
         if self.attention_router_type is None:
-            self.attention_router_type = self.router_type
+            self.attention_router_type = "top_k" if self.router_type == "expert_choice" else self.router_type
         if self.attention_moe_layers is None:
             self.attention_moe_layers = list(range(self.num_hidden_layers))
         if isinstance(self.attention_score_scale_factor, int):
@@ -142,10 +145,15 @@ class AttnMoEConfig(LlamaMoEConfig):
                 f"Unknown attention_experts_implementation {self.attention_experts_implementation!r}; choose one of "
                 f"{', '.join(ATTENTION_EXPERTS_IMPLEMENTATIONS)}."
             )
-        if self.attention_router_type not in ROUTER_TYPES:
+        if self.attention_router_type == "expert_choice":
+            raise ValueError(
+                "attention_router_type='expert_choice' is not supported: attention experts are routed token-choice "
+                f"only; choose one of {', '.join(ATTENTION_ROUTER_TYPES)}."
+            )
+        if self.attention_router_type not in ATTENTION_ROUTER_TYPES:
             raise ValueError(
                 f"Unknown attention_router_type {self.attention_router_type!r}; "
-                f"choose one of {', '.join(ROUTER_TYPES)}."
+                f"choose one of {', '.join(ATTENTION_ROUTER_TYPES)}."
             )
         scale = self.attention_score_scale_factor
         if isinstance(scale, list) and len(scale) != self.num_hidden_layers:

@@ -7,7 +7,7 @@ huggingface_hub.
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector")
+ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice")
 
 
 @strict
@@ -36,6 +36,14 @@ class LlamaMoEConfig(LlamaConfig):
               `mlp.gate.bias`, `mlp.gate.selector.{weight,bias}`); picks the top-k scores and gives every selected
               expert weight 1 (G-MoEfication), with a straight-through gradient `1 + p - p.detach()`,
               `p = sigmoid(score)`, so the selector keeps training.
+            - `"expert_choice"`: expert-choice routing (Zhou et al., 2022) in training: softmax over the experts per
+              token, then each expert takes the C tokens with the highest probability for it and weights its output
+              by that probability, `C = ceil(expert_capacity_factor * T * num_experts_per_tok / num_experts)` (at
+              most T, the tokens of the forward); a token gets 0 to E experts. A token's routing then depends on the
+              other tokens of the batch, later ones included, so it cannot decode one token at a time: outside
+              training (`model.eval()`, hence `generate`) the same logits route token-choice like `"top_k"`.
+        expert_capacity_factor (`float`, defaults to 1.0): capacity factor of `"expert_choice"` routing; 1.0 gives
+            each expert an equal share of the `T * num_experts_per_tok` (token, expert) pairs.
         moe_compensation (`bool`, defaults to False): G-MoEfication's representative values. Each MoE layer keeps
             `mlp.compensation` `[E, H]`, row e = `mean_activation_e @ down_proj_e^T` (the expert's output at its mean
             activation over calibration data), and adds the rows of the experts a token did *not* select:
@@ -46,6 +54,11 @@ class LlamaMoEConfig(LlamaConfig):
         router_aux_loss_coef (`float`, defaults to 0.01): weight of the load-balancing loss.
         router_z_loss_coef (`float`, defaults to 0.0): weight of the router z-loss (ST-MoE), averaged over the routers;
             attached to the autograd graph in training, so it trains under any trainer (docs/modeling.md).
+        router_mi_loss_coef (`float`, defaults to 0.0): weight of the mutual-information router loss (ModuleFormer):
+            per router, the mean entropy of p(e|x) over the tokens minus the entropy of their mean, i.e. minus the
+            mutual information between tokens and experts (sharp routing per token, balanced over the batch);
+            averaged over the routers and attached to the graph like the z-loss. The MoE block sees no attention
+            mask, so padding tokens count in both means.
         output_router_logits (`bool`, defaults to False): return router logits and the auxiliary loss.
         moe_layers (`list[int]`, *optional*): decoder layers that are MoE; the others keep a dense LLaMA MLP.
             Defaults to every layer.
@@ -89,9 +102,11 @@ class LlamaMoEConfig(LlamaConfig):
     shared_expert_intermediate_size: int | None = None
     score_scale_factor: float | int | list[float] = 1.0
     router_type: str = "top_k"
+    expert_capacity_factor: float | int = 1.0
     moe_compensation: bool = False
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
+    router_mi_loss_coef: float = 0.0
     output_router_logits: bool = False
     moe_layers: list[int] | None = None
     conversion_info: dict | None = None
@@ -105,6 +120,8 @@ class LlamaMoEConfig(LlamaConfig):
             self.moe_layers = list(range(self.num_hidden_layers))
         if isinstance(self.score_scale_factor, int):
             self.score_scale_factor = float(self.score_scale_factor)
+        if isinstance(self.expert_capacity_factor, int):
+            self.expert_capacity_factor = float(self.expert_capacity_factor)
         super().__post_init__(**kwargs)
         # Checked here too (not only in the strict validator, which wraps errors) so users get a plain ValueError.
         self.validate_moe()
@@ -155,12 +172,14 @@ class LlamaMoEConfig(LlamaConfig):
             raise ValueError(f"moe_layers {bad_layers} are outside 0..{self.num_hidden_layers - 1}.")
         if len(set(self.moe_layers)) != len(self.moe_layers):
             raise ValueError(f"moe_layers has duplicates: {self.moe_layers}.")
-        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
-            raise ValueError("router_aux_loss_coef and router_z_loss_coef must be >= 0.")
+        if self.expert_capacity_factor <= 0:
+            raise ValueError(f"expert_capacity_factor must be > 0, got {self.expert_capacity_factor}.")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0 or self.router_mi_loss_coef < 0:
+            raise ValueError("router_aux_loss_coef, router_z_loss_coef and router_mi_loss_coef must be >= 0.")
 
     @property
     def num_router_layers(self) -> int:
-        """Router modules in the model: the per-router z-loss is averaged over them."""
+        """Router modules in the model: the per-router z-loss and MI loss are averaged over them."""
         return max(1, len(self.moe_layers))
 
     def layer_score_scale(self, layer_idx: int) -> float:

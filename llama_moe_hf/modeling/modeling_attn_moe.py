@@ -19,7 +19,7 @@ before `o_proj`; docs/attn_moe.md says which compute this saves.
 
 Router losses follow LlamaMoE's rule: `router_logits` (the MLP routers, or the attention routers when the MLP is
 dense) give the standard balance term that the head or TRL adds; the attention routers' balance loss (when they are
-not in `router_logits`) and every router's z-loss are attached to the graph in training.
+not in `router_logits`) and every router's z-loss and MI loss are attached to the graph in training.
 
 This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and the other
 files of this folder.
@@ -58,7 +58,7 @@ from .modeling_llama_moe import (
     LlamaMoEPreTrainedModel,
     LlamaMoERouter,
     attach_router_loss,
-    router_z_loss_func,
+    router_losses,
 )
 
 
@@ -99,6 +99,7 @@ class AttnMoEAttention(LlamaAttention):
         self.heads_per_expert = config.heads_per_attention_expert
         self.score_scale_factor = config.layer_attention_score_scale(layer_idx)
         self.z_loss_weight = config.router_z_loss_coef / config.num_router_layers
+        self.mi_loss_weight = config.router_mi_loss_coef / config.num_router_layers
         self.gate = ROUTER_CLASSES[config.attention_router_type](
             config, num_experts=config.num_attention_experts, top_k=config.num_attention_experts_per_tok
         )
@@ -128,10 +129,9 @@ class AttnMoEAttention(LlamaAttention):
                 top_k_index,
                 **kwargs,
             )
-        if self.z_loss_weight:
-            attn_output = attach_router_loss(
-                self, attn_output, self.z_loss_weight * router_z_loss_func((router_logits,))
-            )
+        if self.z_loss_weight or self.mi_loss_weight:
+            loss = router_losses(router_logits, self.z_loss_weight, self.mi_loss_weight)
+            attn_output = attach_router_loss(self, attn_output, loss)
         return attn_output, attn_weights
 
     def _forward_masked(

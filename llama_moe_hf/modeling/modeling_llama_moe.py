@@ -3,7 +3,8 @@
 Attention, norms and rotary embeddings are transformers' own LLaMA modules; only the MoE parts are new:
 
     routers   one class per gate type (`config.router_type`, `ROUTER_CLASSES`): hidden states [T, H] ->
-              (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32
+              (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32; the expert-choice
+              router in training gives each expert's tokens instead (weights [E, C], token ids [E, C])
     experts   LlamaMoEExperts: fused weights; `forward` is the plain reference loop (`experts_implementation="eager"`);
               `llama_moe_cpu` (fast CPU dispatch) and `llama_moe_auto` (the default, per device) are registered with
               transformers' experts implementations next to its `grouped_mm` and `batched_mm`
@@ -14,12 +15,17 @@ Attention, norms and rotary embeddings are transformers' own LLaMA modules; only
 
 Router losses. The Switch load-balancing loss over `router_logits` is the standard term: the causal-LM head adds
 `router_aux_loss_coef * aux_loss` to `loss`, and TRL's trainers compute the same term themselves. Every other router
-loss (the z-loss, and the balance loss of routers outside `router_logits`) is attached to the autograd graph in
-training (`AddAuxiliaryLoss`), so it reaches the gradients whichever trainer or head computes the loss.
+loss (the z-loss, the mutual-information loss, and the balance loss of routers outside `router_logits`) is attached
+to the autograd graph in training (`AddAuxiliaryLoss`), so it reaches the gradients whichever trainer or head computes
+the loss.
 
 This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and
 `.configuration_llama_moe`.
 """
+
+import math
+import os
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +71,31 @@ def router_z_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.
     return torch.stack([torch.logsumexp(logits.float(), dim=-1).square().mean() for logits in router_logits]).mean()
 
 
+def router_mi_loss_func(router_logits: tuple[torch.Tensor, ...] | None) -> torch.Tensor | int:
+    """Mutual-information router loss (ModuleFormer), mean over routers of `mean_t H(p(.|x_t)) - H(mean_t p(.|x_t))`:
+    minus the mutual information between tokens and experts, in [-ln E, 0]. The first entropy falls as each token's
+    routing sharpens, the second rises as the batch spreads over the experts."""
+    if not router_logits:
+        return 0
+    return torch.stack([_router_mi_loss(logits) for logits in router_logits]).mean()
+
+
+def _router_mi_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    log_probs = F.log_softmax(router_logits.float(), dim=-1)  # [T, E]
+    probs = log_probs.exp()
+    token_entropy = -(probs * log_probs).sum(-1).mean()
+    mean_probs = probs.mean(0)  # [E]
+    # An expert no token reaches at all has mean 0: its term is 0, and the clamp keeps its gradient finite.
+    batch_entropy = -(mean_probs * mean_probs.clamp_min(torch.finfo(mean_probs.dtype).tiny).log()).sum()
+    return token_entropy - batch_entropy
+
+
+def router_losses(router_logits: torch.Tensor, z_loss_weight: float, mi_loss_weight: float) -> torch.Tensor | int:
+    """The weighted z-loss plus MI loss of one router's `[T, E]` logits; a term whose weight is 0 is not computed."""
+    terms = ((z_loss_weight, router_z_loss_func), (mi_loss_weight, router_mi_loss_func))
+    return sum(weight * loss_func((router_logits,)) for weight, loss_func in terms if weight)
+
+
 class AddAuxiliaryLoss(torch.autograd.Function):
     """Identity on `hidden_states` whose backward also sends gradient 1 into `loss` (DeepSeek-V2's design): a loss
     attached this way trains its parameters whatever computes the final loss (our head, TRL's fused head, ...)."""
@@ -98,6 +129,9 @@ class LlamaMoERouter(nn.Module):
     `num_experts` / `top_k` override the config's when something other than the MLP experts is routed (AttnMoE's
     attention-head experts).
     """
+
+    # Whether `forward` returns each expert's chosen tokens (`[E, C]`) rather than each token's experts (`[T, k]`).
+    chooses_tokens = False
 
     def __init__(self, config: LlamaMoEConfig, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
@@ -170,12 +204,41 @@ class LlamaMoESelectorRouter(LlamaMoERouter):
         return router_logits, probs - probs.detach() + 1, top_k_index
 
 
+class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
+    """Expert choice (Zhou et al., 2022) in training: softmax over the experts per token, then expert e takes the C
+    tokens with the highest probability for it, weighted by that probability; returns (router_logits [T, E],
+    weights [E, C], token ids [E, C]). A token's routing depends on the whole batch, later tokens included, so outside
+    training the same logits route token-choice top-k (`LlamaMoETopKRouter`), which decodes with a KV cache."""
+
+    def __init__(self, config, num_experts=None, top_k=None):
+        super().__init__(config, num_experts, top_k)
+        # C / T exactly, from the factor's decimal: 1.1 * 25 tokens * 2 / 5 experts gives C = 11, where floats give 12.
+        self.capacity_ratio = Fraction(repr(config.expert_capacity_factor)) * self.top_k / self.num_experts
+
+    @property
+    def chooses_tokens(self) -> bool:
+        return self.training
+
+    def capacity(self, num_tokens: int) -> int:
+        """C = ceil(expert_capacity_factor * T * k / E), at most T: the tokens each expert takes."""
+        return min(num_tokens, math.ceil(self.capacity_ratio * num_tokens))
+
+    def forward(self, hidden_states):
+        if not self.chooses_tokens:
+            return super().forward(hidden_states)
+        router_logits = self.logits(hidden_states)  # [T, E]
+        probs = F.softmax(router_logits, dim=-1).t()  # [E, T]
+        weights, token_index = torch.topk(probs, self.capacity(probs.shape[1]), dim=-1)  # [E, C] each
+        return router_logits, weights, token_index
+
+
 # `router_type` -> router class. A new gate is one class here plus its name in configuration_llama_moe.ROUTER_TYPES.
 ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
     "top_k": LlamaMoETopKRouter,
     "switch": LlamaMoESwitchRouter,
     "noisy_top_k": LlamaMoENoisyTopKRouter,
     "selector": LlamaMoESelectorRouter,
+    "expert_choice": LlamaMoEExpertChoiceRouter,
 }
 
 
@@ -215,6 +278,33 @@ class LlamaMoEExperts(nn.Module):
             if token_idx.numel():
                 expert_output = self.expert(hidden_states[token_idx], expert_idx)
                 output.index_add_(0, token_idx, expert_output * top_k_weights[token_idx, slot, None].to(output.dtype))
+        return output
+
+    def expert_choice(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        token_index: torch.Tensor,  # [E, C]: the tokens each expert chose
+        weights: torch.Tensor,  # [E, C]
+    ) -> torch.Tensor:
+        """Expert-choice routing: every expert adds its weighted output to the tokens it chose. With
+        `experts_implementation="eager"` the plain loop (reference); otherwise all experts at once, with fixed shapes
+        and no host sync: one gather into `[E, C, H]`, one `bmm` per projection, one `index_add_` back."""
+        if self.config._experts_implementation == "eager":
+            return self.expert_choice_reference(hidden_states, token_index, weights)
+        rows = hidden_states.index_select(0, token_index.reshape(-1)).view(*token_index.shape, -1)  # [E, C, H]
+        gate, up = torch.bmm(rows, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, m] each
+        expert_output = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
+        expert_output = expert_output * weights.unsqueeze(-1).to(expert_output.dtype)
+        output = torch.zeros_like(hidden_states)
+        return output.index_add_(0, token_index.reshape(-1), expert_output.view(-1, hidden_states.shape[-1]))
+
+    def expert_choice_reference(self, hidden_states, token_index, weights) -> torch.Tensor:
+        """`expert_choice` as a plain loop over the experts."""
+        output = torch.zeros_like(hidden_states)
+        for expert_idx in range(self.num_experts):
+            tokens = token_index[expert_idx]  # [C]
+            expert_output = self.expert(hidden_states[tokens], expert_idx)
+            output.index_add_(0, tokens, expert_output * weights[expert_idx, :, None].to(output.dtype))
         return output
 
 
@@ -321,12 +411,15 @@ class LlamaMoESharedExperts(nn.Module):
 
 class LlamaMoESparseMoeBlock(nn.Module):
     """output = score_scale_factor * sum_{e in top-k} w_e * expert_e(x)  [+ shared_experts(x)]
-    [+ sum_{e not in top-k} compensation_e  (G-MoEfication, `config.moe_compensation`)]"""
+    [+ sum_{e not in top-k} compensation_e  (G-MoEfication, `config.moe_compensation`)]
+
+    Under expert-choice routing in training, the experts of a token are those that chose it (0 to E of them)."""
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
         self.score_scale_factor = config.layer_score_scale(layer_idx)
         self.z_loss_weight = config.router_z_loss_coef / config.num_router_layers
+        self.mi_loss_weight = config.router_mi_loss_coef / config.num_router_layers
         self.gate = ROUTER_CLASSES[config.router_type](config)
         self.experts = LlamaMoEExperts(config)
         self.shared_experts = LlamaMoESharedExperts(config) if config.num_shared_experts > 0 else None
@@ -338,20 +431,32 @@ class LlamaMoESparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
         flat_states = hidden_states.view(-1, hidden_dim)  # [T, H]
-        router_logits, top_k_weights, top_k_index = self.gate(flat_states)
+        # weights, index: [T, k], each token's experts; [E, C], each expert's tokens, when the router chooses tokens
+        router_logits, weights, index = self.gate(flat_states)
+        chooses_tokens = self.gate.chooses_tokens
         if self.score_scale_factor != 1.0:
-            top_k_weights = top_k_weights * self.score_scale_factor
-        output = self.experts(flat_states, top_k_index, top_k_weights)
+            weights = weights * self.score_scale_factor
+        if chooses_tokens:
+            output = self.experts.expert_choice(flat_states, index, weights)
+        else:
+            output = self.experts(flat_states, index, weights)
         if self.compensation is not None:
-            # 0/1 mask of the unselected experts: exactly zero when all are selected. [T, E] @ [E, H] -> [T, H]
-            unselected = self.compensation.new_ones(top_k_index.shape[0], self.compensation.shape[0])
-            unselected = unselected.scatter_(1, top_k_index, 0.0)
-            output = output + (unselected @ self.compensation).to(output.dtype)
+            output = output + self.compensation_output(index, flat_states.shape[0], chooses_tokens).to(output.dtype)
         if self.shared_experts is not None:
             output = output + self.shared_experts(flat_states)
-        if self.z_loss_weight:
-            output = attach_router_loss(self, output, self.z_loss_weight * router_z_loss_func((router_logits,)))
+        if self.z_loss_weight or self.mi_loss_weight:
+            loss = router_losses(router_logits, self.z_loss_weight, self.mi_loss_weight)
+            output = attach_router_loss(self, output, loss)
         return output.view(batch_size, sequence_length, hidden_dim)
+
+    def compensation_output(self, index: torch.Tensor, num_tokens: int, chooses_tokens: bool) -> torch.Tensor:
+        """`[T, H]`: the sum of the compensation rows of each token's unselected experts (0 when all are selected)."""
+        unselected = self.compensation.new_ones(num_tokens, self.compensation.shape[0])  # [T, E] 0/1 mask
+        if chooses_tokens:
+            unselected.scatter_(0, index.t(), 0.0)  # index [E, C]: expert e took the tokens index[e]
+        else:
+            unselected.scatter_(1, index, 0.0)  # index [T, k]
+        return unselected @ self.compensation
 
 
 class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
@@ -399,6 +504,27 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         return self.mlp(hidden_states)
 
 
+def _file_stamps(folder) -> dict[str, tuple[int, int]]:
+    """(inode, mtime) of every regular file directly in `folder`, which may not exist yet."""
+    if not os.path.isdir(folder):
+        return {}
+    return {
+        entry.name: (entry.inode(), entry.stat().st_mtime_ns)
+        for entry in os.scandir(folder)
+        if entry.is_file(follow_symlinks=False)
+    }
+
+
+def _chmod_written_files(folder, before: dict[str, tuple[int, int]]) -> None:
+    """Give the files written in `folder` since `before` the mode a plain `open` gives, `0o666 & ~umask`:
+    safetensors writes the weights through a 0600 temporary file, and `trl sft` saves without us touching them."""
+    umask = os.umask(0)  # reading the umask means setting it: put it back at once
+    os.umask(umask)
+    for name, stamp in _file_stamps(folder).items():
+        if before.get(name) != stamp:
+            os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
 class LlamaMoEPreTrainedModel(PreTrainedModel):
     config: LlamaMoEConfig
     config_class = LlamaMoEConfig
@@ -434,7 +560,10 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.add_auto_map()
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        before = _file_stamps(save_directory)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        _chmod_written_files(save_directory, before)
+        return result
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:

@@ -1,0 +1,1 @@
+"""Training recipes for converted MoE models: domain-mixture continual pre-training, two-stage SFT, checkpoints."""

@@ -1,0 +1,215 @@
+"""Continual pre-training of a converted MoE on a mixture of domains (LLaMA-MoE v1, section 3).
+
+Packed causal-LM blocks from each domain, each block's domain drawn by the sampling weights: static (given, or a
+preset) or dynamic (Sheared-LLaMA's dynamic batch loading against per-domain reference losses). The router
+load-balancing loss is on (`router_aux_loss_coef`, 0.01 as in the paper). Held-out perplexity per domain is evaluated
+on the trainer's schedule (`eval_strategy`), logged with the domain weights, and stated in the checkpoint's card.
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
+from .mixture import (
+    PRESET_REFERENCE_LOSSES,
+    DomainMixture,
+    DomainWeights,
+    load_domain,
+    parse_pairs,
+    resolve_weights,
+)
+from .sampling import DynamicDomainSampling, domain_losses
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ContinualPretrainArguments:
+    model_name_or_path: str = field(metadata={"help": "converted checkpoint folder (or Hub id) to train"})
+    domains: list[str] = field(metadata={"help": "NAME=PATH per domain (text/JSON lines/parquet file or folder)"})
+    held_out: list[str] | None = field(
+        default=None, metadata={"help": "NAME=PATH held-out text per domain (default: held_out_fraction of it)"}
+    )
+    held_out_fraction: float = field(default=0.05, metadata={"help": "documents held out when no held_out path"})
+    eval_blocks: int = field(default=16, metadata={"help": "held-out blocks per domain used for evaluation"})
+    domain_weights: list[str] | None = field(
+        default=None, metadata={"help": "NAME=WEIGHT per domain, or a preset name: uniform (default), llama"}
+    )
+    sampling: str = field(default="static", metadata={"help": "static or dynamic", "choices": ["static", "dynamic"]})
+    reference_losses: list[str] | None = field(
+        default=None, metadata={"help": "dynamic: NAME=LOSS per domain, or the preset llama2-7b-slimpajama"}
+    )
+    reference_model: str | None = field(
+        default=None, metadata={"help": "dynamic: take each domain's reference loss from this (dense) model"}
+    )
+    update_steps: int = field(default=50, metadata={"help": "dynamic: steps between weight updates"})
+    dynamic_step_size: float = field(default=1.0, metadata={"help": "dynamic: step size on the excess loss"})
+    dynamic_smoothing: float = field(default=1e-4, metadata={"help": "dynamic: mixing with uniform weights"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per training block"})
+    text_column: str | None = field(default=None, metadata={"help": "text field of JSON/parquet rows"})
+    router_aux_loss_coef: float = field(default=0.01, metadata={"help": "weight of the load-balancing loss"})
+
+
+class MixtureTrainer(Trainer):
+    """Logs the domain weights (and the held-out losses behind a dynamic update) with the training loss, and
+    evaluates the language-model loss alone (no router loss in the held-out perplexity)."""
+
+    def __init__(self, *args, mixture: DomainMixture, sampling: DynamicDomainSampling | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mixture, self.sampling = mixture, sampling
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs or "learning_rate" in logs:
+            logs.update({f"domain_weight/{n}": round(w, 4) for n, w in self.mixture.weights.as_dict().items()})
+            if self.sampling is not None and self.sampling.last_losses is not None:
+                names = self.mixture.weights.names
+                logs.update({f"domain_loss/{n}": round(float(x), 4) for n, x in zip(names, self.sampling.last_losses)})
+        super().log(logs, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if hasattr(self.model.config, "output_router_logits"):
+            inputs = {**inputs, "output_router_logits": False}
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArguments) -> TrainingOutcome:
+    """Train `args.model_name_or_path` on the domain mixture; writes a complete checkpoint to `training.output_dir`.
+    The outcome's metrics are the held-out loss and perplexity per domain."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check(args, training)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    domains = _load_domains(args, tokenizer)
+    names = [domain.name for domain in domains]
+    weights = DomainWeights(names, resolve_weights(_preset_or_pairs(args.domain_weights), names))
+    sampling = _dynamic_sampling(args, training, domains, weights) if args.sampling == "dynamic" else None
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    output_router_logits = getattr(model.config, "output_router_logits", None)
+    if output_router_logits is not None:  # an MoE: train with the balance loss
+        model.config.router_aux_loss_coef = args.router_aux_loss_coef
+        model.config.output_router_logits = args.router_aux_loss_coef > 0
+    mixture = DomainMixture(domains, weights, seed=training.seed)
+    trainer = MixtureTrainer(
+        model=model,
+        args=training,
+        train_dataset=mixture,
+        eval_dataset=_evaluation_sets(domains, args.eval_blocks),
+        mixture=mixture,
+        sampling=sampling,
+        callbacks=[sampling] if sampling else None,
+    )
+    trainer.train()
+    results = _results(trainer.evaluate(), names)
+    if output_router_logits is not None:  # as loaded: inference does not need router logits
+        model.config.output_router_logits = output_router_logits
+    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+    record = stage_record(
+        trainer,
+        "continual-pretraining",
+        {name: float(share) for name, share in zip(names, mixture.drawn / max(1, mixture.drawn.sum()))},
+        args.model_name_or_path,
+        tokens=trainer.state.global_step * global_batch * args.seq_len,
+        sampling=args.sampling,
+        final_domain_weights=weights.as_dict(),
+        seq_len=args.seq_len,
+        eval_blocks=args.eval_blocks,
+        results=results,
+    )
+    output = save_complete_checkpoint(trainer, tokenizer, training.output_dir, args.model_name_or_path, record)
+    return TrainingOutcome(unwrapped(trainer), results, output, trainer.state.log_history)
+
+
+def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> None:
+    if not 0 < args.held_out_fraction < 1:
+        raise ValueError(f"held_out_fraction must be between 0 and 1, got {args.held_out_fraction}.")
+    if args.eval_blocks < 1 or args.seq_len < 2:
+        raise ValueError(f"eval_blocks must be >= 1 and seq_len >= 2, got {args.eval_blocks} and {args.seq_len}.")
+    if training.dataloader_num_workers:  # workers would sample from copies of the weights and counts
+        raise ValueError("The domain mixture samples in the main process: set dataloader_num_workers to 0.")
+    if args.reference_model and (training.deepspeed or training.fsdp):
+        raise ValueError(
+            "--reference_model is evaluated whole in every process; with ZeRO-3/FSDP measure the reference losses "
+            "once and pass them as --reference_losses NAME=LOSS ..."
+        )
+
+
+def _evaluation_sets(domains, eval_blocks: int) -> dict:
+    """The first `eval_blocks` held-out blocks of each domain: what the held-out results report."""
+    from datasets import Dataset
+
+    sets = {}
+    for domain in domains:
+        blocks = domain.held_out[:eval_blocks].tolist()
+        sets[domain.name] = Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+    return sets
+
+
+def _dynamic_sampling(args, training, domains, weights: DomainWeights) -> DynamicDomainSampling:
+    """Dynamic sampling steered by the held-out blocks after the reported ones (the same ones when a domain has too
+    few), so the reported perplexity is not the quantity the weights were tuned on."""
+    steer = []
+    for domain in domains:
+        extra = domain.held_out[args.eval_blocks : 2 * args.eval_blocks]
+        if len(extra) == 0:
+            logger.warning("Domain %r: too few held-out blocks to steer sampling apart from evaluation.", domain.name)
+        steer.append(extra if len(extra) else domain.held_out[: args.eval_blocks])
+    names = [domain.name for domain in domains]
+    reference = _reference_losses(args, names, steer, training)
+    return DynamicDomainSampling(
+        weights, steer, reference, args.update_steps, args.dynamic_step_size, args.dynamic_smoothing
+    )
+
+
+def _preset_or_pairs(spec: list[str] | None) -> list[str] | str | None:
+    return spec[0] if spec and len(spec) == 1 and "=" not in spec[0] else spec
+
+
+def _load_domains(args: ContinualPretrainArguments, tokenizer):
+    paths = parse_pairs(args.domains, "Domains")
+    if not paths:
+        raise ValueError("Give at least one domain as NAME=PATH (--domains).")
+    held_out = parse_pairs(args.held_out, "Held-out data")
+    unknown = sorted(set(held_out) - set(paths))
+    if unknown:
+        raise ValueError(f"Held-out data names unknown domains {unknown}; domains are {sorted(paths)}.")
+    return [
+        load_domain(name, path, tokenizer, args.seq_len, args.held_out_fraction, held_out.get(name), args.text_column)
+        for name, path in paths.items()
+    ]
+
+
+def _reference_losses(args: ContinualPretrainArguments, names: list[str], held_out, training) -> list[float]:
+    """Per-domain reference losses: given (or a preset), or measured once with `reference_model`."""
+    if args.reference_model is not None:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(args.reference_model, dtype=torch.float32)
+        losses = domain_losses(reference.to(training.device), held_out, training.per_device_eval_batch_size)
+        del reference
+        return losses.tolist()
+    spec = _preset_or_pairs(args.reference_losses)
+    if spec is None:
+        raise ValueError("Dynamic sampling needs reference losses: --reference_model or --reference_losses.")
+    if isinstance(spec, str):
+        if spec not in PRESET_REFERENCE_LOSSES:
+            raise ValueError(f"Unknown reference-loss preset {spec!r}; choose {', '.join(PRESET_REFERENCE_LOSSES)}.")
+        given = PRESET_REFERENCE_LOSSES[spec]
+    else:
+        given = parse_pairs(spec, "Reference losses", float)
+    missing = sorted(set(names) - set(given))
+    if missing:
+        raise ValueError(f"Reference losses are missing for domains {missing}.")
+    return [given[name] for name in names]
+
+
+def _results(metrics: dict, names: list[str]) -> dict:
+    results = {}
+    for name in names:
+        loss = metrics[f"eval_{name}_loss"]
+        results[f"{name}_loss"] = round(loss, 4)
+        results[f"{name}_perplexity"] = round(math.exp(loss), 2)
+    return results

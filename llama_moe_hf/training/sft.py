@@ -1,0 +1,111 @@
+"""Supervised fine-tuning of a converted MoE with TRL's SFTTrainer, one stage per recipe file (LLaMA-MoE v2's
+two-stage instruction tuning: general conversation, then math and code with a replay share of stage 1's data).
+
+The options are exactly `trl sft`'s (`ScriptArguments`, `SFTConfig`, `ModelConfig`, `DatasetMixtureConfig`: the
+same YAML file runs under `trl sft --config`) plus `MoESFTArguments`. The replay share is TRL's dataset `fraction`.
+SFTTrainer adds the router load-balancing loss (and logs it as `aux_loss`); the other router losses are attached to
+the graph by the modeling code. The output is a complete checkpoint whose card lists every stage so far.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
+
+
+@dataclass
+class MoESFTArguments:
+    freeze_routers: bool = field(default=False, metadata={"help": "keep every router's weights fixed"})
+
+
+def freeze_routers(model) -> int:
+    """Stop training the routers (every module whose class name ends in "Router"); returns the parameters frozen."""
+    frozen = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Router"):
+            for parameter in module.parameters():
+                parameter.requires_grad_(False)
+                frozen += parameter.numel()
+    if not frozen:
+        raise ValueError(f"freeze_routers: {type(model).__name__} has no router modules.")
+    return frozen
+
+
+def dataset_name(path: str, data_files=None) -> str:
+    """A dataset's name for the card: a Hub name as it is; for local data the last two parts of its (first) file's
+    path, never the full local path."""
+    files = data_files if data_files is not None else (path if Path(path).exists() else None)
+    if files is None:
+        return path
+    while not isinstance(files, str):  # a list of files, or a split -> files mapping
+        files = next(iter(files.values() if isinstance(files, dict) else files))
+    return "/".join(Path(files).parts[-2:])
+
+
+def mixture_shares(dataset_args) -> dict[str, float | None]:
+    """Each dataset's share of the mixture (TRL's normalised `fraction`), or None where the full dataset is used."""
+    fractions = [config.fraction for config in dataset_args.datasets]
+    total = sum(f for f in fractions if f is not None)
+    return {
+        dataset_name(c.path, c.data_files): (c.fraction / total if c.fraction is not None else None)
+        for c in dataset_args.datasets
+    }
+
+
+def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoESFTArguments):
+    """The model (routers frozen if asked), the data mixture and TRL's SFTTrainer for one stage; returns the trainer
+    and what the stage record needs: each dataset's share, the examples before packing, and the model's
+    `output_router_logits` as loaded (SFTTrainer switches it on for the balance loss)."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer, get_dataset
+
+    if dataset_args.datasets:
+        dataset, shares = get_dataset(dataset_args), mixture_shares(dataset_args)
+    elif script_args.dataset_name:
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        shares = {dataset_name(script_args.dataset_name): 1.0}
+    else:
+        raise ValueError("Give the training data: `datasets` in the recipe file, or --dataset_name.")
+    evaluate = training.eval_strategy != "no"
+    for split in [script_args.dataset_train_split] + ([script_args.dataset_test_split] if evaluate else []):
+        if split not in dataset:
+            raise ValueError(f"The data has no {split!r} split (it has {', '.join(dataset)}); see test_split_size.")
+    source, trust = model_args.model_name_or_path, training.trust_remote_code
+    dtype = model_args.dtype if model_args.dtype not in (None, "auto") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
+    as_loaded = {"output_router_logits": getattr(model.config, "output_router_logits", None)}
+    if moe.freeze_routers:
+        freeze_routers(model)
+    train = dataset[script_args.dataset_train_split]
+    trainer = SFTTrainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
+        processing_class=AutoTokenizer.from_pretrained(source, trust_remote_code=trust),
+    )
+    return trainer, {"shares": shares, "examples": len(train), "as_loaded": as_loaded}
+
+
+def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArguments) -> TrainingOutcome:
+    """One SFT stage; writes the checkpoint to `training.output_dir`."""
+    trainer, stage = build_sft_trainer(script_args, training, model_args, dataset_args, moe)
+    metrics = trainer.train().metrics
+    model = unwrapped(trainer)
+    if stage["as_loaded"]["output_router_logits"] is not None:  # inference does not need router logits
+        model.config.output_router_logits = stage["as_loaded"]["output_router_logits"]
+    source = model_args.model_name_or_path
+    record = stage_record(
+        trainer,
+        "sft",
+        stage["shares"],
+        source,
+        examples=stage["examples"],
+        packing=training.packing,
+        freeze_routers=moe.freeze_routers,
+        final_train_loss=round(metrics["train_loss"], 4),
+    )
+    output = save_complete_checkpoint(trainer, trainer.processing_class, training.output_dir, source, record)
+    return TrainingOutcome(model, metrics, output, trainer.state.log_history)
