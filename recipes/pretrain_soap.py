@@ -14,7 +14,8 @@ Options: this file's `SoapPretrainArguments` and transformers' `TrainingArgument
 built-in corpus); a held-out set of whole documents is the validation text. Both stages use the same schedule
 settings; the second starts a fresh optimizer (as upcycling does: the expert tensors are new parameters) and the
 dense baseline does the same, so the only difference between the variants is the upcycling.
-Writes the final model and `results.json` (validation perplexity, tokens/s, expert utilisation) to --output_dir.
+Writes the final model as a complete checkpoint (training history and card) and `results.json` (validation
+perplexity, tokens/s, expert utilisation) to --output_dir.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,10 +33,12 @@ from trl import TrlParser
 
 from llama_moe_hf import SoapMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.calibration import load_calibration_texts
+from llama_moe_hf.conversion.writer import atomic_file
 from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
 from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
+from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
 
 
 @dataclass
@@ -155,9 +159,6 @@ def main(argv=None) -> None:
         model = upcycle(model, args)
     steps = training.max_steps - warm_steps
     trainer, seconds = train_stage(model, training, train, steps, training.seed + 1, routing_batch)
-    if trainer.is_world_process_zero():
-        trainer.save_model(training.output_dir)
-        tokenizer.save_pretrained(training.output_dir)
     results = evaluate(trainer, model, args, validation, routing_batch)
     tokens = training.max_steps * training.per_device_train_batch_size * training.world_size * args.seq_len
     tokens *= training.gradient_accumulation_steps
@@ -168,9 +169,13 @@ def main(argv=None) -> None:
         parameters=sum(p.numel() for p in model.parameters()),
         arguments=asdict(args),
     )
+    data = {Path(args.documents).name if args.documents else "built-in corpus (stdlib docstrings)": 1.0}
+    scores = {k: results[k] for k in ("validation_loss", "validation_perplexity")}
+    record = stage_record(trainer, f"soap-pretraining ({args.variant})", data, "scratch", tokens=tokens, results=scores)
+    save_complete_checkpoint(trainer, tokenizer, training.output_dir, "a LLaMA initialised from scratch", record)
     if trainer.is_world_process_zero():
-        with open(f"{training.output_dir}/results.json", "w") as file:
-            json.dump(results, file, indent=2)
+        with atomic_file(Path(training.output_dir) / "results.json") as path:
+            path.write_text(json.dumps(results, indent=2))
         print(json.dumps({k: v for k, v in results.items() if k != "arguments"}))
 
 

@@ -47,3 +47,7 @@ def test_recipe_runs_on_two_cpu_processes_with_torchrun(tmp_path, smollm2_path):
     results = run_recipe(launcher, tmp_path / "out", "--ddp_backend", "gloo")
     assert results["train_tokens"] == 20 * 2 * 2 * 64  # two processes, each its own batches
     assert AutoConfig.from_pretrained(tmp_path / "out").model_type == "soap_moe"
+    (stage,) = json.loads((tmp_path / "out" / "training_history.json").read_text())  # a complete checkpoint
+    assert (
+        stage["world_size"] == 2 and "| 1 | soap-pretraining (soap) |" in (tmp_path / "out" / "README.md").read_text()
+    )

@@ -157,7 +157,7 @@ def test_dynamic_sampling_raises_the_weight_of_the_domain_with_more_excess_loss(
 def test_domain_options_fail_with_one_clear_error(tiny_moe_path, domains, tmp_path):
     with pytest.raises(ValueError, match="missing \\['code'\\]"):
         resolve_weights(["prose=1"], ["prose", "code"])
-    with pytest.raises(ValueError, match="Unknown domain weight preset"):
+    with pytest.raises(ValueError, match="Unknown domain weights preset"):
         resolve_weights("slimpajama", ["prose"])
     args = ContinualPretrainArguments(
         model_name_or_path=str(tiny_moe_path), domains=[f"prose={domains['prose']}"], sampling="dynamic", seq_len=64

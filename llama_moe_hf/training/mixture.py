@@ -56,16 +56,22 @@ def parse_pairs(specs: list[str] | None, what: str, cast=str) -> dict:
     return pairs
 
 
+def named_values(spec: list[str] | str, presets: dict[str, dict[str, float]], what: str) -> dict[str, float]:
+    """A preset's values (`spec` its name, alone or as the only list item) or "NAME=VALUE" items."""
+    if isinstance(spec, list) and len(spec) == 1 and "=" not in spec[0]:
+        spec = spec[0]
+    if isinstance(spec, list):
+        return parse_pairs(spec, what, float)
+    if spec not in presets:
+        raise ValueError(f"Unknown {what.lower()} preset {spec!r}; choose {', '.join(presets)}.")
+    return presets[spec]
+
+
 def resolve_weights(spec: list[str] | str | None, domains: list[str]) -> np.ndarray:
-    """Sampling weights in `domains` order from a preset name (str), "NAME=W" items, or None (uniform); normalised."""
-    if spec is None or spec == "uniform":
+    """Sampling weights in `domains` order from a preset name, "NAME=W" items, or None / "uniform"; normalised."""
+    if spec is None or spec in ("uniform", ["uniform"]):
         return np.full(len(domains), 1 / len(domains))
-    if isinstance(spec, str):
-        if spec not in PRESET_WEIGHTS:
-            raise ValueError(f"Unknown domain weight preset {spec!r}; choose uniform, {', '.join(PRESET_WEIGHTS)}.")
-        given = PRESET_WEIGHTS[spec]
-    else:
-        given = parse_pairs(spec, "Domain weights", float)
+    given = named_values(spec, PRESET_WEIGHTS, "Domain weights")
     missing, extra = sorted(set(domains) - set(given)), sorted(set(given) - set(domains))
     if missing or extra:
         raise ValueError(f"Domain weights must name exactly the domains {domains}: missing {missing}, unknown {extra}.")

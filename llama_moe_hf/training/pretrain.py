@@ -19,6 +19,7 @@ from .mixture import (
     DomainMixture,
     DomainWeights,
     load_domain,
+    named_values,
     parse_pairs,
     resolve_weights,
 )
@@ -85,7 +86,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     domains = _load_domains(args, tokenizer)
     names = [domain.name for domain in domains]
-    weights = DomainWeights(names, resolve_weights(_preset_or_pairs(args.domain_weights), names))
+    weights = DomainWeights(names, resolve_weights(args.domain_weights, names))
     sampling = _dynamic_sampling(args, training, domains, weights) if args.sampling == "dynamic" else None
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     output_router_logits = getattr(model.config, "output_router_logits", None)
@@ -164,10 +165,6 @@ def _dynamic_sampling(args, training, domains, weights: DomainWeights) -> Dynami
     )
 
 
-def _preset_or_pairs(spec: list[str] | None) -> list[str] | str | None:
-    return spec[0] if spec and len(spec) == 1 and "=" not in spec[0] else spec
-
-
 def _load_domains(args: ContinualPretrainArguments, tokenizer):
     paths = parse_pairs(args.domains, "Domains")
     if not paths:
@@ -191,15 +188,9 @@ def _reference_losses(args: ContinualPretrainArguments, names: list[str], held_o
         losses = domain_losses(reference.to(training.device), held_out, training.per_device_eval_batch_size)
         del reference
         return losses.tolist()
-    spec = _preset_or_pairs(args.reference_losses)
-    if spec is None:
+    if args.reference_losses is None:
         raise ValueError("Dynamic sampling needs reference losses: --reference_model or --reference_losses.")
-    if isinstance(spec, str):
-        if spec not in PRESET_REFERENCE_LOSSES:
-            raise ValueError(f"Unknown reference-loss preset {spec!r}; choose {', '.join(PRESET_REFERENCE_LOSSES)}.")
-        given = PRESET_REFERENCE_LOSSES[spec]
-    else:
-        given = parse_pairs(spec, "Reference losses", float)
+    given = named_values(args.reference_losses, PRESET_REFERENCE_LOSSES, "Reference losses")
     missing = sorted(set(names) - set(given))
     if missing:
         raise ValueError(f"Reference losses are missing for domains {missing}.")
