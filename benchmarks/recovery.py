@@ -56,10 +56,10 @@ def main(argv=None) -> None:
     dense = AutoModelForCausalLM.from_pretrained(dense_path, dtype=torch.float32)
     dense_loss = dict(zip(blocks, domain_losses(dense, list(blocks.values())).tolist()))
 
-    curves = {
-        name: [(e["step"] * tokens_per_step, math.exp(e[f"eval_{name}_loss"])) for e in log if f"eval_{name}_loss" in e]
-        for name in blocks
-    }
+    curves = {}  # the final evaluation repeats the last scheduled one at the same step: one point per step
+    for name in blocks:
+        points = {e["step"]: math.exp(e[f"eval_{name}_loss"]) for e in log if f"eval_{name}_loss" in e}
+        curves[name] = [(step * tokens_per_step, perplexity) for step, perplexity in sorted(points.items())]
     result = {"dense_perplexity": {n: math.exp(v) for n, v in dense_loss.items()}, "curves": curves}
     (trained / "recovery.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(curves, result["dense_perplexity"], trained / "recovery.png")
@@ -77,12 +77,13 @@ def plot(curves: dict, dense: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4))
     for axis, (name, points) in zip(axes, curves.items()):
-        axis.plot([t for t, _ in points], [p for _, p in points], marker="o", label="MoE (continual pre-training)")
-        axis.axhline(dense[name], color="black", linestyle="--", label="dense model")
+        label = "MoE: training-free at 0, then continual pre-training"
+        axis.plot([t / 1000 for t, _ in points], [p for _, p in points], marker="o", label=label)
+        axis.axhline(dense[name], color="black", linestyle="--", label="dense model (= the upcycled MoE)")
         axis.set_yscale("log")
         axis.set_title(f"{name}: held-out perplexity", fontsize=9)
-        axis.set_xlabel("training tokens")
-    axes[0].legend(fontsize=8)
+        axis.set_xlabel("training tokens (thousands)")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
