@@ -19,16 +19,15 @@ import torch
 
 
 def held_out_blocks(recipe: Path, tokenizer, seq_len: int, eval_blocks: int) -> dict[str, torch.Tensor]:
+    """The first `eval_blocks` held-out blocks per domain, as the recipe's training evaluated them."""
     import yaml
 
-    from llama_moe_hf.training.mixture import load_domain, parse_pairs
+    from llama_moe_hf.training.pretrain import ContinualPretrainArguments, load_domains
 
     config = yaml.safe_load(recipe.read_text())
-    domains, held_out = parse_pairs(config["domains"], "Domains"), parse_pairs(config.get("held_out"), "Held-out")
-    return {
-        name: load_domain(name, path, tokenizer, seq_len, 0.05, held_out.get(name)).held_out[:eval_blocks]
-        for name, path in domains.items()
-    }
+    fields = {k: config[k] for k in ("domains", "held_out", "held_out_fraction", "text_column") if k in config}
+    args = ContinualPretrainArguments(model_name_or_path="", seq_len=seq_len, **fields)
+    return {domain.name: domain.held_out[:eval_blocks] for domain in load_domains(args, tokenizer)}
 
 
 def main(argv=None) -> None:

@@ -84,7 +84,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
 
     _check(args, training)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    domains = _load_domains(args, tokenizer)
+    domains = load_domains(args, tokenizer)
     names = [domain.name for domain in domains]
     weights = DomainWeights(names, resolve_weights(args.domain_weights, names))
     sampling = _dynamic_sampling(args, training, domains, weights) if args.sampling == "dynamic" else None
@@ -165,7 +165,8 @@ def _dynamic_sampling(args, training, domains, weights: DomainWeights) -> Dynami
     )
 
 
-def _load_domains(args: ContinualPretrainArguments, tokenizer):
+def load_domains(args: ContinualPretrainArguments, tokenizer) -> list:
+    """The recipe's domains as `DomainData` (training and held-out blocks), in the order given."""
     paths = parse_pairs(args.domains, "Domains")
     if not paths:
         raise ValueError("Give at least one domain as NAME=PATH (--domains).")
