@@ -204,6 +204,9 @@ def main(output_dir: Path) -> None:
         record["zero3"] = {family: train_with_deepspeed(output_dir, world_size, family, 3) for family in FAMILIES}
     record["fsdp2"] = {family: train_plain_loop(family, rank, world_size) for family in FAMILIES}
     (output_dir / f"world{world_size}-rank{rank}.json").write_text(json.dumps(record))
+    if dist.is_initialized():  # gloo's threads left to interpreter exit can abort the process (SIGABRT, seen in CI)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
