@@ -9,6 +9,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]),
+    package_data={"llama_moe_hf.evaluation": ["tasks/*.yaml", "tasks/*.jsonl"]},  # the local lm-eval task
     py_modules=["llama_moe_cli"],
     install_requires=[
         "torch>=2.9",
@@ -27,7 +28,9 @@ setup(
         "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
         "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
         "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2", "matplotlib"],  # matplotlib: the demonstrations' plots
-        "deepspeed": ["deepspeed>=0.18"],  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
+        "deepspeed": ["deepspeed>=0.18"],
+        "analysis": ["matplotlib"],  # llama-moe analyze: the PNG plots
+        "eval": ["lm-eval>=0.4.9"],  # llama-moe eval --tasks: lm-evaluation-harness around our model instance  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
         "test": [
             "pytest",
             "psutil",
@@ -39,6 +42,8 @@ setup(
             "faiss-cpu",
             "sentence-transformers",
             "deepspeed>=0.18",  # the ZeRO configs are validated and run on CPU
+            "matplotlib",
+            "lm-eval>=0.4.9",
         ],
     },
     entry_points={"console_scripts": ["llama-moe=llama_moe_cli:main"]},

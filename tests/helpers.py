@@ -114,9 +114,10 @@ class FakeHfApi:
         self.calls.append(("create_repo", repo_id, kwargs))
         return f"https://huggingface.co/{repo_id}"
 
-    def upload_folder(self, *, folder_path, repo_id, **kwargs):
-        self.uploaded_readme = (Path(folder_path) / "README.md").read_text()
-        self.calls.append(("upload_folder", repo_id, {"folder_path": folder_path, **kwargs}))
+    def create_commit(self, *, repo_id, operations, **kwargs):
+        self.uploaded = {op.path_in_repo: op.path_or_fileobj for op in operations}
+        self.uploaded_readme = self.uploaded["README.md"].decode()
+        self.calls.append(("create_commit", repo_id, kwargs))
         return "https://huggingface.co/me/tiny-moe/commit/abc"
 
 

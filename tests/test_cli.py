@@ -84,7 +84,7 @@ def test_convert_push_to_hub_uses_the_hub_client(tmp_path, dense, capsys, monkey
         "--no-progress",
     ]
     assert main(argv) == 0
-    assert [call[0] for call in api.calls] == ["create_repo", "upload_folder"]
+    assert [call[0] for call in api.calls] == ["create_repo", "create_commit"]
     assert 'from_pretrained("me/up"' in api.uploaded_readme
     assert "pushed: https://huggingface.co/me/tiny-moe/commit/abc" in capsys.readouterr().out
 

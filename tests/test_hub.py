@@ -1,9 +1,24 @@
-"""Hub upload: the real folder goes through `create_repo` + `upload_folder` of a fake client (no Hub access here)."""
+"""Hub upload: the real folder goes through `create_repo` + `create_commit` of a fake client (no Hub access here)."""
+
+import json
+import shutil
 
 import pytest
 from helpers import FakeHfApi
+from huggingface_hub import ModelCard
 
 from llama_moe_hf import convert_to_moe, push_folder
+from llama_moe_hf.conversion.card import card_for_repo
+from llama_moe_hf.conversion.hub import plan_push
+
+EVAL_RESULTS = {
+    "dtype": "float32",
+    "parameters": {"total": 1000, "active": 600},
+    "perplexity": {"wiki": {"perplexity": 12.345678, "tokens": 100}},
+    "window": 64,
+    "stride": 32,
+    "lm_eval": {"llama_moe_arithmetic": {"acc": 0.31, "acc_stderr": 0.04}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +31,37 @@ def test_push_with_fake_api_keeps_our_card(converted):
     api = FakeHfApi()
     url = push_folder(converted.output_dir, "me/tiny-moe", private=True, api=api)
     assert url == "https://huggingface.co/me/tiny-moe/commit/abc"
-    (create, repo, create_kwargs), (upload, repo2, upload_kwargs) = api.calls
-    assert (create, repo, repo2, upload) == ("create_repo", "me/tiny-moe", "me/tiny-moe", "upload_folder")
+    (create, repo, create_kwargs), (commit, repo2, _) = api.calls
+    assert (create, repo, repo2, commit) == ("create_repo", "me/tiny-moe", "me/tiny-moe", "create_commit")
     assert create_kwargs["exist_ok"] is True and create_kwargs["private"] is True
-    assert upload_kwargs["folder_path"] == str(converted.output_dir)
-    assert api.uploaded_readme == (converted.output_dir / "README.md").read_text()
+    files = {p.name for p in converted.output_dir.iterdir()}
+    assert set(api.uploaded) == files
+    assert api.uploaded["model.safetensors"] == str(converted.output_dir / "model.safetensors")
+    assert api.uploaded_readme == plan_push(converted.output_dir, "me/tiny-moe").card
     assert "llama-moe" in api.uploaded_readme and 'from_pretrained("me/tiny-moe"' in api.uploaded_readme
+
+
+def test_pushed_card_names_the_repository_and_carries_eval_results_and_routing_plots(converted, tmp_path):
+    folder = tmp_path / "moe"
+    shutil.copytree(converted.output_dir, folder)
+    (folder / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    (folder / "analysis").mkdir()
+    (folder / "analysis" / "routing_mlp.png").write_bytes(b"png")
+    readme = (folder / "README.md").read_text()
+    api = FakeHfApi()
+    push_folder(folder, "someone/else", api=api)
+    card = ModelCard(api.uploaded_readme)
+    assert 'from_pretrained("someone/else"' in card.text and 'from_pretrained("me/tiny-moe"' not in card.text
+    assert str(folder) not in card.text and str(converted.output_dir) not in card.text
+    results = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results == {("wiki", "perplexity"): 12.3457, ("llama_moe_arithmetic", "acc"): 0.31}
+    assert card.data.model_name == "else"
+    assert "## Evaluation" in card.text and "| perplexity (wiki) | 12.346 |" in card.text
+    assert "![routing_mlp](analysis/routing_mlp.png)" in card.text
+    assert set(api.uploaded) >= {"eval_results.json", "analysis/routing_mlp.png"}
+    assert (folder / "README.md").read_text() == readme  # the local card is not touched
+    again = card_for_repo(api.uploaded_readme, folder, "someone/else")  # a card pushed twice: sections replaced
+    assert again.count("## Evaluation") == 1 and again.count("## Routing") == 1 and again.count("## Usage") == 1
 
 
 def test_dry_run_lists_files_and_card_without_contacting_anything(converted):

@@ -1,5 +1,5 @@
-"""`llama-moe`: convert dense LLaMA checkpoints to MoE, inspect them, chat with them, push them to the Hub, and
-prepare training data (similarity-batched, or the offline demonstration sets).
+"""`llama-moe`: convert dense LLaMA checkpoints to MoE, inspect, analyse and evaluate them, chat with them, push them
+to the Hub, and prepare training data (similarity-batched, or the offline demonstration sets).
 
 Each command is a module with `register(subparsers)` and `run(args)`, thin over the Python API; the command line is
 TRL's `TrlParser` (dataclass flags, `--config` recipe files with flags overriding them). Nothing heavy is imported
@@ -9,13 +9,15 @@ before a command runs. Bad input ends with one `error: ...` line and exit status
 import logging
 import sys
 
-from . import batch_similar, chat, convert, info, offline_data, push
+from . import analyze, batch_similar, chat, convert, evaluate, info, offline_data, push
 
 COMMANDS = {
     "convert": convert,
     "info": info,
     "chat": chat,
     "push": push,
+    "analyze": analyze,
+    "eval": evaluate,
     "batch-similar": batch_similar,
     "offline-data": offline_data,
 }

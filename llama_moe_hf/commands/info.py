@@ -1,14 +1,13 @@
 """`llama-moe info`: a converted model's MoE settings and parameter counts, described by its family's registry entry."""
 
 import json
-from pathlib import Path
 
 from .convert import parameters_text
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("info", help="print a converted model's MoE settings and parameter counts")
-    parser.add_argument("folder")
+    parser.add_argument("folder", help="a converted model: local folder or Hub id ORG/NAME")
 
 
 def run(args) -> None:
@@ -16,23 +15,22 @@ def run(args) -> None:
         print(line)
 
 
-def info_lines(folder) -> list[str]:
+def info_lines(folder, download=None) -> list[str]:
     from transformers import AutoConfig
 
     from ..conversion.pipeline import count_parameters
     from ..conversion.registry import FAMILIES
     from ..conversion.writer import read_shapes
+    from ..loading import model_folder
     from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
-    folder = Path(folder).expanduser()
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
+    name, folder = folder, model_folder(str(folder), download=download)
     config = AutoConfig.from_pretrained(folder)
     if config.model_type not in FAMILIES:
         raise ValueError(f"{folder} holds a {config.model_type!r} model, not one of {', '.join(FAMILIES)}.")
     family = FAMILIES[config.model_type]
     lines = [
-        f"{folder}: {type(config).__name__} ({config.model_type}: {family.description}), "
+        f"{name}: {type(config).__name__} ({config.model_type}: {family.description}), "
         f"{config.num_hidden_layers} layers"
     ]
     lines += family.info_lines(config)

@@ -1,6 +1,9 @@
 """Calibration: the text a conversion runs the dense model on, and the context that runs it once.
 
 load_calibration_texts   local file/folder, a `datasets` name, or the built-in corpus -> list of documents
+iter_documents           the same sources one document at a time (commands that stream: analyze, eval)
+token_blocks             documents -> `[seq_len]` token blocks as they are read, up to a token budget
+token_stream             documents -> their first N tokens, `[N]`
 tokenize_calibration     documents -> `[B, seq_len]` token ids (packed, EOS between documents)
 CalibrationContext       one per conversion: loads the dense model at most once, records every statistic the
                          components asked for in one pass, and hands the results to them explicitly
@@ -9,7 +12,7 @@ CalibrationContext       one per conversion: loads the dense model at most once,
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -73,42 +76,66 @@ def _pick_text_column(row: dict, source: str) -> str:
 def _read_text_file(path: Path, text_column: str | None) -> list[str]:
     """One file -> documents. .txt/.md: the whole file is one document; .json: a list (or {"data": [...]}) of
     strings or rows; .jsonl: one string or row per line; .parquet: the text column of every row."""
+    return list(_iter_text_file(path, text_column))
+
+
+def _iter_text_file(path: Path, text_column: str | None, piece_chars: int | None = None) -> Iterator[str]:
+    """`_read_text_file` one document at a time; with `piece_chars` a .txt/.md file comes in pieces of about that
+    many characters (cut at line ends), so a large file is never held whole. A .json list is read whole."""
     suffix = path.suffix.lower()
     if suffix in (".txt", ".md"):
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    if suffix == ".parquet":
+        yield from _text_pieces(path, piece_chars)
+    elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return _texts_from_records(pq.read_table(path).to_pylist(), str(path), text_column)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+            yield from _texts_from_records(batch.to_pylist(), str(path), text_column)
+    elif suffix == ".jsonl":
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    yield from _texts_from_records([_json_value(line, path, number)], str(path), text_column)
+    else:
+        records = _json_value(path.read_text(encoding="utf-8") or "[]", path)
+        if isinstance(records, dict):
+            lists = [value for value in records.values() if isinstance(value, list)]
+            if len(lists) != 1:
+                raise ValueError(f"{path}: expected a JSON list of documents (or an object holding one list).")
+            records = lists[0]
+        yield from _texts_from_records(records, str(path), text_column)
+
+
+def _text_pieces(path: Path, piece_chars: int | None) -> Iterator[str]:
+    if piece_chars is None:
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    piece, size = [], 0
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            piece.append(line)
+            size += len(line)
+            if size >= piece_chars:
+                yield "".join(piece)
+                piece, size = [], 0
+    if piece:
+        yield "".join(piece)
+
+
+def _json_value(text: str, path: Path, line: int | None = None):
     try:
-        if suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            records = [json.loads(line) for line in lines if line.strip()]
-        else:
-            records = json.loads(path.read_text(encoding="utf-8") or "[]")
+        return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid {suffix[1:].upper()}: {error}") from None
-    if isinstance(records, dict):
-        lists = [value for value in records.values() if isinstance(value, list)]
-        if len(lists) != 1:
-            raise ValueError(f"{path}: expected a JSON list of documents (or an object holding one list).")
-        records = lists[0]
-    return _texts_from_records(records, str(path), text_column)
+        where = f"{path} line {line}" if line else str(path)
+        raise ValueError(f"{where} is not valid {path.suffix[1:].upper()}: {error}") from None
 
 
-def _load_dataset_texts(
-    name: str, text_column: str | None, split: str, max_chars: int | None, dataset_loader: Callable, what: str
-) -> list[str]:
-    """A `datasets` dataset, `NAME` or `NAME:CONFIG`, streamed so only what is needed is read."""
+def _iter_dataset_texts(name: str, text_column: str | None, split: str, dataset_loader: Callable, what: str):
+    """A `datasets` dataset, `NAME` or `NAME:CONFIG`, streamed: documents as they arrive."""
     path, _, config = name.partition(":")
     try:
         dataset = dataset_loader(path, config or None, split=split, streaming=True)
-        texts, total = [], 0
         for row in dataset:
-            texts.extend(_texts_from_records([row], name, text_column))
-            total += len(texts[-1])
-            if max_chars is not None and total >= max_chars:
-                break
+            yield from _texts_from_records([row], name, text_column)
     except ValueError:
         raise
     except Exception as error:
@@ -118,7 +145,56 @@ def _load_dataset_texts(
             f"({type(error).__name__}: {error}). Pass a local .txt/.json/.jsonl/.parquet file or folder, a dataset "
             "reachable from here, or omit it to use the built-in corpus."
         ) from None
+
+
+def _load_dataset_texts(
+    name: str, text_column: str | None, split: str, max_chars: int | None, dataset_loader: Callable, what: str
+) -> list[str]:
+    """The streamed dataset's documents until `max_chars` characters are read."""
+    texts, total = [], 0
+    for text in _iter_dataset_texts(name, text_column, split, dataset_loader, what):
+        texts.append(text)
+        total += len(text)
+        if max_chars is not None and total >= max_chars:
+            break
     return texts
+
+
+def _text_files(path: Path, what: str) -> list[Path]:
+    """The files of a folder or the one file `path` names, checked for a readable suffix."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"{what} folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files.")
+        return files
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        raise ValueError(f"{what} file {path} must end in one of {', '.join(TEXT_SUFFIXES)}.")
+    return [path]
+
+
+def iter_documents(
+    spec: str | None,
+    *,
+    text_column: str | None = None,
+    split: str = "train",
+    dataset_loader: Callable | None = None,
+    what: str = "Data",
+    piece_chars: int = 1 << 16,
+) -> Iterator[str]:
+    """The documents of `spec` (as `load_calibration_texts` reads it) one at a time, never all in memory: for
+    commands that read as much as they need of sources of any size (`analyze`, `eval`). Empty documents are
+    skipped; long .txt files come in pieces of about `piece_chars` characters."""
+    if spec is None:
+        yield from (text for text in stdlib_docstrings() if text.strip())
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        texts = (text for file in _text_files(path, what) for text in _iter_text_file(file, text_column, piece_chars))
+    else:
+        if dataset_loader is None:
+            from datasets import load_dataset as dataset_loader
+        texts = _iter_dataset_texts(spec, text_column, split, dataset_loader, what)
+    yield from (text for text in texts if text.strip())
 
 
 def load_calibration_texts(
@@ -142,17 +218,11 @@ def load_calibration_texts(
         texts = stdlib_docstrings()
         return texts, f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
     path = Path(spec).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if not files:
-            raise ValueError(f"{what} folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files.")
+    if path.exists():
+        files = _text_files(path, what)
         texts = [text for file in files for text in _read_text_file(file, text_column)]
-        description = f"local folder {path} ({len(files)} files, {len(texts)} docs)"
-    elif path.is_file():
-        if path.suffix.lower() not in TEXT_SUFFIXES:
-            raise ValueError(f"{what} file {path} must end in one of {', '.join(TEXT_SUFFIXES)}.")
-        texts = _read_text_file(path, text_column)
-        description = f"local file {path} ({len(texts)} docs)"
+        where = f"local folder {path} ({len(files)} files, " if path.is_dir() else f"local file {path} ("
+        description = f"{where}{len(texts)} docs)"
     else:
         if dataset_loader is None:
             from datasets import load_dataset as dataset_loader
@@ -194,6 +264,37 @@ def tokenize_calibration(texts: list[str], tokenizer, num_tokens: int, seq_len: 
             seq_len,
         )
     return torch.tensor(stream[: num_sequences * seq_len], dtype=torch.long).view(num_sequences, seq_len)
+
+
+def _document_tokens(documents, tokenizer) -> Iterator[list[int]]:
+    """Each document's token ids, followed by EOS (when the tokenizer has one)."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for text in documents:
+        yield tokenizer(text, add_special_tokens=False)["input_ids"] + separator
+
+
+def token_blocks(documents, tokenizer, seq_len: int, max_tokens: int) -> Iterator[torch.LongTensor]:
+    """Pack streamed documents into `[seq_len]` blocks (EOS between documents), at most `max_tokens // seq_len` of
+    them; only the current block's tokens are held."""
+    buffer: list[int] = []
+    remaining = max_tokens // seq_len
+    for ids in _document_tokens(documents, tokenizer):
+        buffer.extend(ids)
+        while len(buffer) >= seq_len and remaining:
+            yield torch.tensor(buffer[:seq_len], dtype=torch.long)
+            buffer, remaining = buffer[seq_len:], remaining - 1
+        if not remaining:
+            return
+
+
+def token_stream(documents, tokenizer, max_tokens: int) -> torch.LongTensor:
+    """The first `max_tokens` tokens of the streamed documents (EOS between documents), `[N]`."""
+    stream: list[int] = []
+    for ids in _document_tokens(documents, tokenizer):
+        stream.extend(ids)
+        if len(stream) >= max_tokens:
+            break
+    return torch.tensor(stream[:max_tokens], dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------------------------------------------

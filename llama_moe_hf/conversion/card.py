@@ -119,3 +119,88 @@ def write_model_card(folder: Path, plan, source, total: int, active: int) -> Pat
     path = Path(folder) / "README.md"
     path.write_text(render_model_card(plan, source, total, active), encoding="utf-8")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# At push time: the card for the repository pushed to, with what was measured since the conversion
+# ---------------------------------------------------------------------------------------------------------------
+
+ANALYSIS_FOLDER = "analysis"  # where `llama-moe analyze MODEL --output MODEL/analysis` puts its plots
+
+
+def card_for_repo(text: str, folder: Path, repo_id: str) -> str:
+    """The folder's card, made for `repo_id`: its Usage section names the repository; `eval_results.json` becomes
+    the metadata's `model-index` (`EvalResult`s) and an Evaluation section; the routing plots of `analysis/` are
+    shown in a Routing section. Sections it writes are replaced, not repeated, when the card already has them."""
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from ..evaluation.options import RESULTS_FILE
+
+    card = ModelCard(text)
+    body = _replace_section(card.text, "## Usage", usage_section(repo_id))
+    results_path = Path(folder) / RESULTS_FILE
+    if results_path.is_file():
+        results = json.loads(results_path.read_text(encoding="utf-8"))
+        card.data.model_name = repo_id.split("/")[-1]
+        card.data.eval_results = eval_results(results)
+        body = _replace_section(body, "## Evaluation", evaluation_section(results))
+    plots = sorted((Path(folder) / ANALYSIS_FOLDER).glob("routing_*.png"))
+    if plots:
+        body = _replace_section(body, "## Routing", routing_section([p.relative_to(folder).as_posix() for p in plots]))
+    card.text = body
+    return str(card)
+
+
+def eval_results(results: dict) -> list:
+    """`EvalResult`s of an eval_results.json: perplexity per data source, and each lm-eval metric (not stderrs)."""
+    from huggingface_hub import EvalResult
+
+    entries = [
+        EvalResult("text-generation", name, name, "perplexity", round(value["perplexity"], 4))
+        for name, value in results.get("perplexity", {}).items()
+    ]
+    for task, metrics in results.get("lm_eval", {}).items():
+        entries += [
+            EvalResult("text-generation", task, task, metric, round(value, 4), metric_name=f"{metric} (lm-eval)")
+            for metric, value in metrics.items()
+            if not metric.endswith("_stderr")
+        ]
+    return entries
+
+
+def evaluation_section(results: dict) -> str:
+    parameters = results.get("parameters", {})
+    rows = [
+        f"| perplexity ({name}) | {value['perplexity']:.3f} |" for name, value in results.get("perplexity", {}).items()
+    ]
+    for task, metrics in results.get("lm_eval", {}).items():
+        rows += [f"| {task} {m} | {v:.4f} |" for m, v in metrics.items() if not m.endswith("_stderr")]
+    window = f"sliding window {results.get('window')}, stride {results.get('stride')}"
+    return (
+        "## Evaluation\n\nMeasured with `llama-moe eval` "
+        f"({results.get('dtype', '')}, {window}; {parameters.get('active', 0):,} of "
+        f"{parameters.get('total', 0):,} parameters active per token):\n\n| | |\n|---|---|\n" + "\n".join(rows)
+    )
+
+
+def routing_section(plots: list[str]) -> str:
+    images = "\n".join(f"![{Path(plot).stem}]({plot})" for plot in plots)
+    return (
+        "## Routing\n\nShare of each domain's tokens per expert and layer, from `llama-moe analyze` "
+        f"(numbers in `{ANALYSIS_FOLDER}/analysis.json`, summary in `{ANALYSIS_FOLDER}/summary.md`):\n\n{images}"
+    )
+
+
+def _replace_section(body: str, heading: str, section: str) -> str:
+    """`body` with its `heading` section (up to the next `## `) replaced by `section`, or `section` added before
+    the References (or at the end)."""
+    start = body.find(f"\n{heading}\n")
+    if start >= 0:
+        end = body.find("\n## ", start + len(heading) + 2)
+        return body[: start + 1] + section + "\n" + (body[end:] if end >= 0 else "")
+    anchor = body.find("\n## References\n")
+    if anchor < 0:
+        return body.rstrip("\n") + "\n\n" + section + "\n"
+    return body[: anchor + 1] + section + "\n\n" + body[anchor + 1 :]

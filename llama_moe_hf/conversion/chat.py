@@ -1,25 +1,35 @@
-"""Greedy chat generation with a converted (or any local) model and its tokenizer's chat template."""
+"""Greedy chat generation with a converted (or any) model and its tokenizer's chat template."""
 
-from pathlib import Path
+import sys
 
 import torch
 
 
-def chat(model_path: str | Path, prompt: str, max_new_tokens: int = 64, dtype: torch.dtype = torch.float32) -> str:
-    """Answer `prompt` as a single user turn with greedy decoding; returns the decoded answer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def chat(
+    model: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    dtype: str = "auto",
+    stream: bool = False,
+    device: str | None = None,
+    download=None,
+) -> str:
+    """Answer `prompt` as a single user turn with greedy decoding; returns the decoded answer. `model` is a local
+    folder, a Hub id or `default`; `dtype="auto"` computes in the checkpoint's dtype; with `stream` the answer is
+    also printed to stdout as it is generated."""
+    from transformers import TextStreamer
 
-    from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
+    from ..loading import load_model
 
-    path = Path(model_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model folder (no config.json).")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    loaded, tokenizer, folder = load_model(model, dtype=dtype, device=device, download=download)
     if tokenizer.chat_template is None:
-        raise ValueError(f"The tokenizer in {path} has no chat template; `chat` needs an instruct model.")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        raise ValueError(f"The tokenizer in {folder} has no chat template; `chat` needs an instruct model.")
     messages = [{"role": "user", "content": prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = inputs.to(loaded.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.inference_mode():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        output = loaded.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
+    if stream:
+        sys.stdout.flush()
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -1,13 +1,16 @@
-"""Upload a converted folder to the Hugging Face Hub, keeping our model card.
+"""Upload a converted folder to the Hugging Face Hub with our model card, made for the repository pushed to.
 
-`PreTrainedModel.push_to_hub` would replace README.md with a generic card, so the folder is uploaded as it is with
-`create_repo(exist_ok=True)` + `upload_folder`.
+`PreTrainedModel.push_to_hub` would replace README.md with a generic card, so the folder's files and the card are
+uploaded in one commit: `create_repo(exist_ok=True)` + `create_commit` (the card as pushed adds the folder's
+evaluation results and routing plots, `card.card_for_repo`; the local README.md is left as it is).
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import CommitOperationAdd, HfApi
+
+from .card import card_for_repo
 
 
 @dataclass
@@ -43,7 +46,8 @@ def plan_push(folder: str | Path, repo_id: str, private: bool = False) -> PushPl
         for p in folder.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
-    return PushPlan(folder, repo_id, private, files, (folder / "README.md").read_text(encoding="utf-8"))
+    card = card_for_repo((folder / "README.md").read_text(encoding="utf-8"), folder, repo_id)
+    return PushPlan(folder, repo_id, private, files, card)
 
 
 def push_folder(
@@ -66,11 +70,11 @@ def push_folder(
         return plan
     api = api or HfApi(token=token)
     api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    commit = api.upload_folder(
-        folder_path=str(plan.folder),
-        repo_id=repo_id,
-        repo_type="model",
-        commit_message=commit_message,
-        ignore_patterns=[".*", "**/.*"],
-    )
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(plan.folder / name))
+        for name, _ in plan.files
+        if name != "README.md"
+    ]
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=plan.card.encode("utf-8")))
+    commit = api.create_commit(repo_id=repo_id, repo_type="model", operations=operations, commit_message=commit_message)
     return str(getattr(commit, "commit_url", commit))

@@ -24,6 +24,7 @@ __all__ = [
     "ModelSource",
     "check_llama_config",
     "default_model_path",
+    "hub_folder",
     "load_gguf_model",
     "open_source",
 ]
@@ -65,18 +66,31 @@ def open_source(
     if path.exists():
         raise ValueError(f"{path} is a file; pass a model folder, a .gguf file or a Hub repository id.")
     repo_id = str(model)
+    patterns = HUB_ALLOW_PATTERNS + (["*.bin"] if allow_pickle else [])
+    local = hub_folder(repo_id, revision=revision, token=token, download=download, allow_patterns=patterns)
+    return FolderSource(local, hub_id=repo_id, allow_pickle=allow_pickle)
+
+
+def hub_folder(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    download: Downloader = snapshot_download,
+    allow_patterns: list[str] | None = None,
+) -> Path:
+    """The local folder of Hub repository `repo_id` (downloaded, or from the local cache); a clear
+    `FileNotFoundError` when `repo_id` is no repository id or cannot be fetched."""
     try:
         validate_repo_id(repo_id)
         if repo_id.count("/") != 1 or repo_id.startswith((".", "~")):
             raise HFValidationError(repo_id)
     except HFValidationError:
-        raise FileNotFoundError(f"{model} does not exist (and is not a Hub repository id like 'org/name').") from None
-    patterns = HUB_ALLOW_PATTERNS + (["*.bin"] if allow_pickle else [])
+        raise FileNotFoundError(f"{repo_id} does not exist (and is not a Hub repository id like 'org/name').") from None
     try:
-        local = download(repo_id, revision=revision, token=token, allow_patterns=patterns)
+        return Path(download(repo_id, revision=revision, token=token, allow_patterns=allow_patterns))
     except Exception as error:
         raise FileNotFoundError(
-            f"{model} is not a local folder and could not be downloaded from the Hugging Face Hub "
+            f"{repo_id} is not a local folder and could not be downloaded from the Hugging Face Hub "
             f"({type(error).__name__}: {error})."
         ) from None
-    return FolderSource(Path(local), hub_id=repo_id, allow_pickle=allow_pickle)

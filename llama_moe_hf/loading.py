@@ -1,0 +1,71 @@
+"""Load a model for the commands that read one (`analyze`, `eval`): a local folder, a Hub id, or the built-in default.
+
+Our families are registered with the Auto classes on import, so a converted folder loads without running remote code;
+other folders load as transformers loads them (remote code only with `trust_remote_code`).
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_MODEL = "default"  # the built-in dense model (SmolLM2-135M-Instruct, no download)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def model_folder(
+    spec: str, *, revision: str | None = None, token: str | None = None, download: Callable = None
+) -> Path:
+    """The local folder of `spec`: `default`, a folder with config.json, or a Hub id (fetched with `download`,
+    default `huggingface_hub.snapshot_download`, which reads the local cache first)."""
+    from .conversion.sources import default_model_path, hub_folder
+
+    if spec == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model folder (no config.json).")
+        return path
+    if download is None:
+        from huggingface_hub import snapshot_download as download
+    return hub_folder(str(spec), revision=revision, token=token, download=download)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    device: str | None = None,
+    trust_remote_code: bool = False,
+    download: Callable = None,
+):
+    """(model in eval mode on `device`, tokenizer, local folder) for `spec` (see `model_folder`). `dtype="auto"` keeps
+    the checkpoint's dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    folder = model_folder(spec, download=download)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device or default_device()).eval(), tokenizer, folder
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(total, active per token) parameters of a loaded model: our families count active experts exactly, any other
+    model is dense (all parameters active)."""
+    from .conversion.pipeline import count_parameters
+    from .conversion.registry import FAMILIES
+
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if model.config.model_type in FAMILIES:
+        return count_parameters(model.config, shapes)
+    total = sum(p.numel() for p in model.parameters())
+    return total, total

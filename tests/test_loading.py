@@ -1,0 +1,71 @@
+"""Commands that read a model (`chat`, `info`, `eval`, `analyze`) take a folder, a Hub id (through the download seam,
+as huggingface_hub's cache would give it) or `default`; `chat` computes in the checkpoint's dtype and streams."""
+
+import pytest
+import torch
+from helpers import save_tiny_moe
+
+from llama_moe_hf.commands import main
+from llama_moe_hf.commands.info import info_lines
+from llama_moe_hf.conversion.chat import chat
+from llama_moe_hf.loading import load_model, model_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("loading")
+    save_tiny_moe(root / "fp32")
+    model = save_tiny_moe(root / "bf16").to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    return {"fp32": root / "fp32", "bf16": root / "bf16"}
+
+
+def fake_download(folder, asked: list):
+    def download(repo_id, **kwargs):
+        asked.append(repo_id)
+        return str(folder)
+
+    return download
+
+
+def test_auto_dtype_is_the_checkpoints_own(tiny_folders):
+    assert load_model(str(tiny_folders["bf16"]))[0].dtype == torch.bfloat16
+    assert load_model(str(tiny_folders["fp32"]))[0].dtype == torch.float32
+    assert load_model(str(tiny_folders["bf16"]), dtype="float32")[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        load_model(str(tiny_folders["fp32"]), dtype="float8")
+
+
+def test_hub_ids_resolve_through_the_download_seam(tiny_folders):
+    asked = []
+    download = fake_download(tiny_folders["fp32"], asked)
+    assert model_folder("me/tiny", download=download) == tiny_folders["fp32"]
+    assert info_lines("me/tiny", download=download)[0].startswith("me/tiny: LlamaMoEConfig")
+    assert asked == ["me/tiny", "me/tiny"]
+    with pytest.raises(FileNotFoundError, match="not a Hub repository id"):
+        model_folder("not/a/repo/id")
+    (tiny_folders["fp32"].parent / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        model_folder(str(tiny_folders["fp32"].parent / "empty"))
+
+
+def test_chat_streams_the_answer_it_returns(tiny_folders, capsys):
+    answer = chat("me/tiny", "hi", max_new_tokens=6, stream=True, download=fake_download(tiny_folders["bf16"], []))
+    assert capsys.readouterr().out.strip() == answer and answer
+
+
+def test_chat_command_flags(tiny_folders, capsys):
+    folder = str(tiny_folders["fp32"])
+    assert main(["chat", folder, "--prompt", "hi", "--max-new-tokens", "4", "--dtype", "bfloat16", "--no-stream"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["chat", folder, "--prompt", "hi", "--dtype", "int3"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["chat", "info", "eval", "analyze"])
+def test_every_flag_has_help_text(command):
+    from llama_moe_hf.commands import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    actions = [a for a in subparsers.choices[command]._actions if a.dest != "help"]
+    assert actions and all(action.help for action in actions), [a.dest for a in actions if not a.help]
