@@ -52,7 +52,7 @@ def read_seconds(files: list[Path], chunk: int = 64 << 20) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="source folder (default: built-in SmolLM2)")
+    parser.add_argument("--model", type=Path, default=None, help="source folder or .gguf (default: built-in SmolLM2)")
     parser.add_argument("--output-dir", type=Path, default=None, help="where to write (default: a temp folder)")
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--method", default="random")
@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
 
     source = args.model or default_model_path()  # prepared before measuring
-    files = sorted(source.glob("*.safetensors"))
+    files = [source] if source.suffix == ".gguf" else sorted(source.glob("*.safetensors"))
     source_gb = sum(f.stat().st_size for f in files) / 1e9
     evict_from_page_cache(files)
     read_time = read_seconds(files)

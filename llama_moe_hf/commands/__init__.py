@@ -9,7 +9,7 @@ before a command runs. Bad input ends with one `error: ...` line and exit status
 import logging
 import sys
 
-from . import analyze, batch_similar, chat, convert, evaluate, info, offline_data, push
+from . import analyze, batch_similar, chat, convert, evaluate, export, info, offline_data, push
 
 COMMANDS = {
     "convert": convert,
@@ -18,6 +18,7 @@ COMMANDS = {
     "push": push,
     "analyze": analyze,
     "eval": evaluate,
+    "export": export,
     "batch-similar": batch_similar,
     "offline-data": offline_data,
 }

@@ -35,18 +35,7 @@ class FolderSource(DenseSource):
     """A transformers folder: config.json plus safetensors weights (one file or shards with an index)."""
 
     def __init__(self, path: Path, hub_id: str | None = None, allow_pickle: bool = False):
-        from transformers import LlamaConfig
-
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(
-                f"{path} has no config.json; pass a transformers model folder, a Hub id or a .gguf."
-            )
-        try:
-            check_llama_config(json.loads(config_file.read_text()), str(path))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-        config = LlamaConfig.from_pretrained(path)
+        config = self.read_config(path)
         super().__init__(path, config, hub_id=hub_id, description=hub_id or str(path))
         if (path / "README.md").is_file():
             self.license = ModelCard.load(path / "README.md").data.license
@@ -59,6 +48,23 @@ class FolderSource(DenseSource):
             self._unread.setdefault(file, set()).add(name)
         for file in sorted(set(self._files.values())):
             self._open(file)  # read every header now: a corrupt or truncated file fails before anything is written
+
+    @staticmethod
+    def read_config(path: Path):
+        """The folder's config, refused before any weight is read unless it is a dense LLaMA's (subclasses read
+        other kinds of checkpoint folders)."""
+        from transformers import LlamaConfig
+
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json; pass a transformers model folder, a Hub id or a .gguf."
+            )
+        try:
+            check_llama_config(json.loads(config_file.read_text()), str(path))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+        return LlamaConfig.from_pretrained(path)
 
     def _weight_files(self, allow_pickle: bool) -> dict[str, Path]:
         path = self.path

@@ -1,0 +1,20 @@
+"""Exact export of converted models into formats that run without this package:
+
+    mixtral     transformers' MixtralForCausalLM     (mixtral.py)
+    qwen2_moe   transformers' Qwen2MoeForCausalLM    (qwen2_moe.py)
+    gguf        llama.cpp's GGUF, Mixtral layout     (gguf.py)
+
+`export_model(model_folder, to, output)` streams the checkpoint tensor by tensor into an atomic output folder, after
+the target has refused (one ValueError, nothing written) whatever it cannot express exactly. Importing this package
+registers the targets in `TARGETS` and imports nothing heavy (the command line reads them before torch).
+"""
+
+import importlib
+
+from .pipeline import ExportOptions, ExportResult, export_model
+from .registry import TARGETS
+
+for _module in ("mixtral", "qwen2_moe", "gguf"):
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["TARGETS", "ExportOptions", "ExportResult", "export_model"]

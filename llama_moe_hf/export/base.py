@@ -1,0 +1,231 @@
+"""What every export target shares: a converted LlamaMoE checkpoint described role by role, the refusals common to
+all targets, and the transformers targets' writer.
+
+A checkpoint tensor is read once and described as one or more *roles* (`checkpoint_roles`), in the shapes below
+(V vocabulary, H hidden, d head size, I dense FFN, E experts, m expert size, S all shared experts' neurons):
+
+    embed [V, H]   norm [H]   lm_head [V, H]                          (lm_head absent with tied embeddings)
+    attn_norm [H]   ffn_norm [H]                                      (per layer, as are all below)
+    q [nH*d, H]   k [nKV*d, H]   v [nKV*d, H]   o [H, nH*d]
+    dense_gate [I, H]   dense_up [I, H]   dense_down [H, I]           (layers outside `moe_layers`)
+    router [E, H]
+    gate_exps [E, m, H]   up_exps [E, m, H]   down_exps [E, H, m]     (the layer's score scale folded into down)
+    shexp_gate [S, H]   shexp_up [S, H]   shexp_down [H, S]
+
+A target turns each role into its own tensors (`role_tensors`). That is a pure function of the tensor's shape and
+values, so the list of tensors a target writes is planned by running it on meta tensors first.
+"""
+
+import re
+from collections.abc import Iterator
+
+from ..conversion.registry import NoOptions
+
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)")
+GLOBAL_ROLES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+LAYER_ROLES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "mlp.gate_proj.weight": "dense_gate",
+    "mlp.up_proj.weight": "dense_up",
+    "mlp.down_proj.weight": "dense_down",
+    "mlp.gate.weight": "router",
+    "mlp.experts.down_proj": "down_exps",
+    "mlp.shared_experts.gate_proj.weight": "shexp_gate",
+    "mlp.shared_experts.up_proj.weight": "shexp_up",
+    "mlp.shared_experts.down_proj.weight": "shexp_down",
+}
+FUSED_EXPERTS = "mlp.experts.gate_up_proj"  # [E, 2m, H], the gate rows first: split into gate_exps and up_exps
+# Tensors that do not take part in inference, so no target needs them: the noisy router's noise projection (its
+# noise is added in training only), and a G-MoEfication compensation table, exported only when it is all zeros.
+UNUSED_AT_INFERENCE = ("mlp.gate.noise_weight", "mlp.compensation")
+
+# Why a whole family has no exact counterpart in any target.
+REFUSED_FAMILIES = {
+    "attn_moe": "it is an AttnMoE model: its attention-head experts (routed query heads) have no counterpart in "
+    "Mixtral, Qwen2-MoE or llama.cpp, whose attention is dense",
+    "soap_moe": "it is a SoapMoE model: it merges its experts' weights once per segment of tokens (segment "
+    "routing), which token-choice top-k MoE layers cannot express",
+}
+# Routers that compute exactly top-k softmax routing at inference, and why.
+INFERENCE_TOP_K = {
+    "noisy_top_k": "router_type 'noisy_top_k' is exported as its inference routing, softmax top-k: its learned "
+    "noise is added in training only (mlp.gate.noise_weight is not exported)",
+    "expert_choice": "router_type 'expert_choice' is exported as its inference routing, token-choice softmax top-k "
+    "(what model.eval() and generate compute); expert-choice routing and its capacity exist in training only",
+}
+
+
+def tensor_order(name: str) -> tuple:
+    """Sort key of checkpoint tensors: embeddings, then the layers in order, then the final norm and head."""
+    match = LAYER_TENSOR.fullmatch(name)
+    if match:
+        return (1, int(match[1]), match[2])
+    return (0 if name == "model.embed_tokens.weight" else 2, 0, name)
+
+
+def is_unused_at_inference(name: str) -> bool:
+    return name.endswith(UNUSED_AT_INFERENCE)
+
+
+def checkpoint_roles(config, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
+    """(role, layer or None, tensor) of one LlamaMoE checkpoint tensor; an unknown tensor is refused."""
+    if name in GLOBAL_ROLES:
+        yield GLOBAL_ROLES[name], None, tensor
+        return
+    match = LAYER_TENSOR.fullmatch(name)
+    part = match[2] if match else None
+    if part == FUSED_EXPERTS:
+        gate, up = tensor.chunk(2, dim=1)  # [E, m, H] each
+        yield "gate_exps", int(match[1]), gate
+        yield "up_exps", int(match[1]), up
+    elif part == "mlp.experts.down_proj":
+        # LlamaMoE scales the routing weights of the layer; scaling each expert's down projection is the same.
+        scale = config.layer_score_scale(int(match[1]))
+        yield "down_exps", int(match[1]), tensor if scale == 1.0 else tensor * scale
+    elif part in LAYER_ROLES:
+        yield LAYER_ROLES[part], int(match[1]), tensor
+    else:
+        raise ValueError(f"The checkpoint holds {name}, which no export target knows how to write.")
+
+
+def check_llama_moe(config) -> list[str]:
+    """Refuse (one ValueError) what no target expresses exactly; return notes on what is exported as inference
+    computes it."""
+    if config.model_type in REFUSED_FAMILIES:
+        raise ValueError(f"Cannot export this model exactly: {REFUSED_FAMILIES[config.model_type]}.")
+    if config.model_type != "llama_moe":
+        raise ValueError(f"This is a {config.model_type!r} model, not a converted LlamaMoE checkpoint (llama_moe).")
+    if config.router_type == "selector":
+        raise ValueError(
+            "Cannot export router_type 'selector' exactly: MoEfication's selector scores experts with a tanh MLP and "
+            "weights every chosen expert 1, where the targets' routers weight them by a softmax of linear logits."
+        )
+    if config.attention_bias or config.mlp_bias:
+        raise ValueError(
+            "Cannot export a model with attention_bias or mlp_bias exactly: the targets' o_proj and MLPs have no bias."
+        )
+    return [INFERENCE_TOP_K[config.router_type]] if config.router_type in INFERENCE_TOP_K else []
+
+
+def dense_layers(config) -> list[int]:
+    return sorted(set(range(config.num_hidden_layers)) - set(config.moe_layers))
+
+
+def per_expert(template: str, layer: int | None, tensor) -> Iterator[tuple[str, object]]:
+    """`template` filled in for the layer (`{bid}`) and, when it names one (`{e}`), for each expert of `tensor`'s
+    first dimension (views, no copy)."""
+    if "{e}" not in template:
+        yield template.format(bid=layer), tensor
+        return
+    for expert in range(tensor.shape[0]):
+        yield template.format(bid=layer, e=expert), tensor[expert]
+
+
+class ExportTarget:
+    """A format a converted model is exported to. Subclass, set `description`, register with
+    `@TARGETS.register(name)`, and implement `role_tensors` and `write`.
+
+    The export calls, in order: `check()` (refuse, or note), then `write(job)`, where `job.tensors()` streams
+    `extra_tensors()` and then `role_tensors(...)` of every checkpoint tensor, in the order `job.plan` lists them.
+    """
+
+    name = ""  # set by TARGETS.register
+    description = ""  # one sentence: `--help` and the docs show it
+    Options = NoOptions
+
+    def __init__(self, config, options=None):
+        self.config = config
+        self.options = options if options is not None else self.Options()
+        self.notes: list[str] = []  # what the user should know about the export (printed by the command)
+
+    def check(self) -> None:
+        """Refuse (one ValueError) what this target cannot express exactly; add notes for what it exports as
+        inference computes it."""
+        self.notes += check_llama_moe(self.config)
+
+    def extra_tensors(self) -> Iterator[tuple[str, object]]:
+        """Tensors made from the config alone, written first."""
+        return iter(())
+
+    def role_tensors(self, role: str, layer: int | None, tensor) -> Iterator[tuple[str, object]]:
+        """This target's (name, tensor) pairs for one role of the checkpoint."""
+        raise NotImplementedError
+
+    def write(self, job) -> list[str]:
+        """Write the export into `job.folder`; return the file names written."""
+        raise NotImplementedError
+
+
+# The roles every transformers LLaMA-family model names alike.
+TRANSFORMERS_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{bid}.input_layernorm.weight",
+    "ffn_norm": "model.layers.{bid}.post_attention_layernorm.weight",
+    "q": "model.layers.{bid}.self_attn.q_proj.weight",
+    "k": "model.layers.{bid}.self_attn.k_proj.weight",
+    "v": "model.layers.{bid}.self_attn.v_proj.weight",
+    "o": "model.layers.{bid}.self_attn.o_proj.weight",
+}
+# Config fields a LLaMA config shares with Mixtral's and Qwen2-MoE's, with the same meaning.
+SHARED_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "attention_dropout",
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+)
+
+
+class TransformersTarget(ExportTarget):
+    """A transformers model family: safetensors in the family's own checkpoint layout (what its `save_pretrained`
+    writes, per-expert tensors), its config, and the source's tokenizer and generation config."""
+
+    names: dict[str, str] = {}  # role -> tensor name template ({bid}: layer, {e}: expert)
+
+    def role_tensors(self, role, layer, tensor):
+        yield from per_expert(self.names[role], layer, tensor)
+
+    def target_config(self):
+        """The family's config for this checkpoint."""
+        raise NotImplementedError
+
+    def shared_config_fields(self) -> dict:
+        return {field: getattr(self.config, field) for field in SHARED_CONFIG_FIELDS}
+
+    def write(self, job) -> list[str]:
+        from ..conversion.writer import ShardedWriter
+
+        writer = ShardedWriter(job.folder, job.plan, job.dtype)
+        for name, tensor in job.tensors():
+            writer.add(name, tensor)
+        files = writer.close()
+        if job.dtype.itemsize < 4:  # LlamaMoE's routers compute in float32 whatever the weights' dtype
+            self.notes.append(
+                f"{self.name} computes router logits in the weights' dtype ({job.dtype}) where LlamaMoE uses float32: "
+                "a token whose best experts tie within that rounding can route differently"
+            )
+        config = self.target_config()
+        config.dtype = job.dtype
+        config.save_pretrained(job.folder)
+        job.checkpoint.save_extras(job.folder)  # tokenizer files, chat template, generation config
+        return files

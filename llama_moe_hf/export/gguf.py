@@ -1,0 +1,119 @@
+"""llama.cpp's GGUF, in the layout llama.cpp's `convert_hf_to_gguf.py` writes Mixtral: architecture "llama" with
+`expert_count` / `expert_used_count`, the router as `blk.N.ffn_gate_inp.weight` and the experts stacked as
+`blk.N.ffn_{gate,up,down}_exps.weight` ([E, m, H], [E, m, H], [E, H, m]); q and k permuted for llama.cpp's rotary
+layout (`LlamaModel.permute`). One file, `model.gguf`, with the tokenizer in its metadata.
+
+It exports exactly what the Mixtral target does (llama.cpp's "llama" MoE graph is Mixtral's: softmax, top-k,
+renormalised, every layer MoE), and refuses the rest. llama.cpp's "qwen2moe" graph is no way out for shared experts:
+it never renormalises the top-k, has no dense layers, and computes its shared-expert gate as `silu(x) / x`, which is
+0/0 for the zero gate weight that a constant gate of 1/2 needs (the qwen2_moe target's trick; llama.cpp then
+gives NaN logits, checked with llama-cpp-python 0.3.36).
+
+Weights are F32, F16 or BF16 (`dtype`); 1-D tensors, norms and routers are F32, as llama.cpp's converter writes them.
+RoPE: default, linear, and llama3 (its frequency factors as `rope_freqs.weight`, from transformers' own llama3 rule).
+
+Tokenizer: SentencePiece (`tokenizer.model`, needs the `sentencepiece` package), Llama-style BPE and GPT-2 byte-level
+BPE (`tokenizer.json`) through gguf's vocab readers, with special-token ids, merges and the chat template
+(`gguf.SpecialVocab`). llama.cpp's converter identifies a BPE tokenizer's pre-tokenizer (`tokenizer.ggml.pre`) by
+hashing its output on a test text against its own table: that table is not in the gguf package, so the name is the
+`tokenizer_pre` option (default: llama.cpp's "default" regex, noted when used). A tokenizer of another kind (e.g.
+WordLevel) is not written: the file then has no vocabulary (`tokenizer.ggml.model = "none"`), and that is noted.
+"""
+
+import dataclasses
+
+from ..conversion.registry import option
+from .base import ExportTarget
+from .mixtral import check_mixtral_layout
+from .registry import TARGETS
+
+GGUF_FILE = "model.gguf"
+ROPE_TYPES = ("default", "linear", "llama3")
+# role -> gguf.MODEL_TENSOR name, as llama.cpp's tensor map names Mixtral's tensors
+GGUF_TENSORS = {
+    "embed": "TOKEN_EMBD",
+    "norm": "OUTPUT_NORM",
+    "lm_head": "OUTPUT",
+    "attn_norm": "ATTN_NORM",
+    "ffn_norm": "FFN_NORM",
+    "q": "ATTN_Q",
+    "k": "ATTN_K",
+    "v": "ATTN_V",
+    "o": "ATTN_OUT",
+    "router": "FFN_GATE_INP",
+    "gate_exps": "FFN_GATE_EXP",
+    "up_exps": "FFN_UP_EXP",
+    "down_exps": "FFN_DOWN_EXP",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFOptions:
+    tokenizer_pre: str = option(
+        "default",
+        "gguf: llama.cpp's name of a byte-level BPE tokenizer's pre-tokenizer (tokenizer.ggml.pre), e.g. smollm, "
+        "llama-bpe, qwen2 (llama.cpp's converter finds it by a hash table the gguf package lacks)",
+    )
+
+
+def tensor_name(kind: str, layer: int | None = None) -> str:
+    """The GGUF name of tensor `kind` (a `gguf.MODEL_TENSOR` member name) of decoder layer `layer`."""
+    import gguf
+
+    return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
+
+
+def rope_permute(weight, heads: int):
+    """llama.cpp's `LlamaModel.permute`: each head's rows [first halves | second halves] (transformers' rotate_half
+    layout) become interleaved pairs (llama.cpp's). weight [heads * d, H] -> [heads, 2, d/2, H] -> pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+@TARGETS.register("gguf")
+class GGUF(ExportTarget):
+    description = (
+        "llama.cpp's GGUF (model.gguf), architecture 'llama' with experts as llama.cpp writes Mixtral: what the "
+        "mixtral target maps, with the tokenizer in the metadata."
+    )
+    Options = GGUFOptions
+
+    def check(self):
+        super().check()
+        check_mixtral_layout(self.config)
+        if self.config.hidden_act != "silu":
+            raise ValueError(f"Cannot export hidden_act {self.config.hidden_act!r} to GGUF: llama.cpp runs SiLU.")
+        if self.rope_type() not in ROPE_TYPES:
+            raise ValueError(f"Cannot export rope_type {self.rope_type()!r} to GGUF; supported: {ROPE_TYPES}.")
+
+    def rope_type(self) -> str:
+        return (self.config.rope_parameters or {}).get("rope_type", "default")
+
+    def extra_tensors(self):
+        if self.rope_type() == "llama3":
+            yield tensor_name("ROPE_FREQS"), llama3_rope_factors(self.config)
+
+    def role_tensors(self, role, layer, tensor):
+        config = self.config
+        if role == "q":
+            tensor = rope_permute(tensor, config.num_attention_heads)
+        elif role == "k":
+            tensor = rope_permute(tensor, config.num_key_value_heads)
+        yield tensor_name(GGUF_TENSORS[role], layer), tensor
+
+    def write(self, job) -> list[str]:
+        from .gguf_file import write_gguf
+
+        write_gguf(job, job.folder / GGUF_FILE)
+        return [GGUF_FILE]
+
+
+def llama3_rope_factors(config):
+    """llama.cpp's `rope_freqs`: per frequency, the divisor turning the default RoPE frequency into llama3's,
+    computed with transformers' own rules (the model's inverse frequencies are default / factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    return (default / llama3).float()  # [head_dim / 2]
