@@ -29,6 +29,11 @@ def _grid(panels: int, title: str):
     return figure, axes[:panels]
 
 
+def _largest(matrices) -> float:
+    """One colour scale for every panel of a grid, so layers compare by colour."""
+    return max(max(max(row) for row in matrix) for matrix in matrices)
+
+
 def _heatmap(axis, matrix, title: str, rows: list[str] | None, vmin=None, vmax=None, cmap="viridis"):
     image = axis.imshow(matrix, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     axis.set_title(title, fontsize=7)
@@ -42,10 +47,10 @@ def _heatmap(axis, matrix, title: str, rows: list[str] | None, vmin=None, vmax=N
 def routing_heatmaps(sites: list[dict], path: Path) -> None:
     """Share of each domain's load per expert (LLaMA-MoE Fig. 8): rows domains, columns experts."""
     figure, axes = _grid(len(sites), f"{sites[0]['kind']} routing: share of each domain's {sites[0]['load_unit']}")
-    for axis, site in zip(axes, sites):
-        domains = list(site["domains"])
-        matrix = [site["domains"][name]["load_share"] for name in domains]
-        _heatmap(axis, matrix, site["name"], domains, vmin=0.0)
+    matrices = [[site["domains"][name]["load_share"] for name in site["domains"]] for site in sites]
+    vmax = _largest(matrices)
+    for axis, site, matrix in zip(axes, sites, matrices):
+        _heatmap(axis, matrix, site["name"], list(site["domains"]), vmin=0.0, vmax=vmax)
         axis.set_xlabel("expert", fontsize=6)
     figure.savefig(path, dpi=DPI)
 
@@ -53,9 +58,10 @@ def routing_heatmaps(sites: list[dict], path: Path) -> None:
 def distance_heatmaps(sites: list[dict], path: Path) -> None:
     """L2 distance between domains' routing distributions (LLaMA-MoE Fig. 9)."""
     figure, axes = _grid(len(sites), f"{sites[0]['kind']} routing: distance between domains")
+    vmax = _largest([site["domain_distances"] for site in sites])
     for axis, site in zip(axes, sites):
         domains = list(site["domains"])
-        _heatmap(axis, site["domain_distances"], site["name"], domains, vmin=0.0, cmap="magma")
+        _heatmap(axis, site["domain_distances"], site["name"], domains, vmin=0.0, vmax=vmax, cmap="magma")
         axis.set_xticks(range(len(domains)), domains, rotation=90)
     figure.savefig(path, dpi=DPI)
 
