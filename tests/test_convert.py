@@ -337,6 +337,31 @@ def test_model_card(tmp_path, tiny_dense):
     assert "moe_recipe.yaml" in text and "method: random\n" in text  # the recipe it was built from
 
 
+def test_model_card_names_no_local_path_and_installs_from_the_repository(tmp_path, tiny_dense):
+    dense_path, _, _ = tiny_dense
+    data = tmp_path / "calibration.txt"
+    data.write_text("Some calibration text for the card test. " * 40)
+    output = tmp_path / "outputs" / "tiny-moe"
+    convert_to_moe(
+        dense_path,
+        output,
+        method="cluster",
+        num_experts=4,
+        calibration_data=str(data),
+        calibration_tokens=256,
+        calibration_seq_len=64,
+        progress=False,
+    )
+    text = (output / "README.md").read_text()
+    for local in (str(tmp_path), str(dense_path), str(data)):
+        assert local not in text
+    assert 'from_pretrained("tiny-moe", trust_remote_code=True)' in text  # the folder's name until it is pushed
+    assert "calibration_data: calibration.txt" in text and f"| Source | `{dense_path.name}` |" in text
+    assert "pip install 'llama-moe-hf @ git+https://github.com/llama-moe-hf/llama-moe-hf'" in text
+    assert "pip install llama-moe-hf`" not in text  # not a published package
+    assert 'AutoTokenizer.from_pretrained("tiny-moe", trust_remote_code=True)' in text
+
+
 # ---------------------------------------------------------------- bad input: one clear error, nothing written
 
 
@@ -488,3 +513,26 @@ def test_interrupted_conversion_leaves_nothing(workspace, failing_method):
     dense_path, out_root = workspace
     with pytest.raises(failing_method, match="boom in layer 1"):
         convert_to_moe(dense_path, out_root / "nested" / "moe", method="failing", num_experts=4, progress=False)
+
+
+@pytest.mark.slow
+def test_readme_python_api_snippet_runs_as_written_twice(tmp_path, monkeypatch, smollm2_path):
+    """The README's "same from Python" block, run twice in a fresh folder (the second run replaces the output)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```python\n")[1:]]
+    (snippet,) = [block for block in blocks if "convert_to_moe(" in block]
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        namespace = {}
+        exec(compile(snippet, "README.md", "exec"), namespace)
+        assert namespace["result"].output_dir.is_dir() and namespace["moe"].config.num_experts == 8
+
+
+def test_conversion_reports_perplexity_next_to_the_dense_model(tmp_path, tiny_dense):
+    dense_path, _, _ = tiny_dense
+    result = convert_to_moe(dense_path, tmp_path / "up", method="upcycle", num_experts=2, progress=False)
+    check = result.quality
+    assert check.ratio == pytest.approx(1.0, abs=1e-4) and not check.needs_training  # upcycled == dense
+    assert check.tokens > 0 and "Measured after conversion" in (tmp_path / "up" / "README.md").read_text()
+    skipped = convert_to_moe(dense_path, tmp_path / "no", method="upcycle", num_experts=2, eval=False, progress=False)
+    assert skipped.quality is None and "Measured after" not in (tmp_path / "no" / "README.md").read_text()

@@ -55,7 +55,7 @@ def test_pushed_card_names_the_repository_and_carries_eval_results_and_routing_p
     assert str(folder) not in card.text and str(converted.output_dir) not in card.text
     results = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert results == {("wiki", "perplexity"): 12.3457, ("llama_moe_arithmetic", "acc"): 0.31}
-    assert card.data.model_name == "else"
+    assert card.data.model_name == "else" and card.text.lstrip().startswith("# else\n")
     assert "## Evaluation" in card.text and "| perplexity (wiki) | 12.346 |" in card.text
     assert "![routing_mlp](analysis/routing_mlp.png)" in card.text
     assert set(api.uploaded) >= {"eval_results.json", "analysis/routing_mlp.png"}

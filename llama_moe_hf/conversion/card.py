@@ -4,6 +4,8 @@ components), the recipe it was built from, parameter counts, and how to load it 
 from pathlib import Path
 
 TAGS = ["moe", "mixture-of-experts", "llama-moe", "llama", "llama-moe-hf"]
+PROJECT_URL = "https://github.com/llama-moe-hf/llama-moe-hf"
+INSTALL_LINE = f"pip install 'llama-moe-hf @ git+{PROJECT_URL}'"  # not on PyPI: from the repository
 REFERENCES = (
     "- LLaMA-MoE: Building Mixture-of-Experts from LLaMA with Continual Pre-training (Zhu et al., 2024), arXiv:2406.16554.\n"
     "- Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints (Komatsuzaki et al., 2023), arXiv:2212.05055."
@@ -14,24 +16,26 @@ def _human(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def render_model_card(plan, source, total: int, active: int) -> str:
+def render_model_card(plan, source, total: int, active: int, quality=None) -> str:
     """The README.md text of the checkpoint `plan` builds from `source`."""
     from huggingface_hub import ModelCard
 
     from .recipe import RECIPE_FILE, to_yaml
 
-    model_id = plan.run.repo_id or plan.run.output
+    model_id = plan.run.repo_id or Path(plan.run.output).name  # never a local path: `push` names the repository
     base_model = plan.run.base_model or source.hub_id
     notes = " ".join(method.card_note() for method, _ in plan.components.values())
-    base_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source.description}`"
+    base_text = (
+        f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{public(source.description)}`"
+    )
     body = f"""
 # {Path(model_id).name}
 
 A Mixture-of-Experts model converted from the dense {base_text} with
-[llama-moe-hf](https://github.com/llama-moe-hf/llama-moe-hf) (LLaMA-MoE-style expert construction).
+[llama-moe-hf]({PROJECT_URL}) (LLaMA-MoE-style expert construction).
 
 This checkpoint was converted, not trained. {notes}
-
+{quality_section(quality)}
 ## Conversion
 
 | Setting | Value |
@@ -42,7 +46,7 @@ Built from this recipe (`{RECIPE_FILE}` in this repository; `llama-moe convert -
 builds the same weights again):
 
 ```yaml
-{to_yaml(plan.asked.to_dict())}```
+{to_yaml(public_recipe(plan.asked.to_dict()))}```
 
 ## Parameters
 
@@ -76,48 +80,64 @@ def _metadata(plan, source, base_model):
     )
 
 
+def public(value):
+    """A local path as its last component (a card is public: it names no folder of the machine it was made on);
+    anything else (a Hub id, a dataset name, a description) as it is."""
+    if isinstance(value, str) and value and (Path(value).expanduser().is_absolute() or Path(value).exists()):
+        return Path(value).name
+    return value
+
+
+def public_recipe(recipe: dict) -> dict:
+    """The recipe as the card shows it: local paths (the model, the calibration data) by their names."""
+    return {key: public(value) for key, value in recipe.items()}
+
+
 def _settings_rows(plan, source) -> str:
     """The family's rows (from its registered components), then what every conversion records."""
     settings = plan.family.card_rows(plan.config, plan) + [
         ("Seed", plan.recipe.seed),
         ("Weights dtype", str(plan.config.dtype).replace("torch.", "")),
-        ("Source", f"`{source.description}`"),
+        ("Source", f"`{public(source.description)}`"),
     ]
     return "\n".join(f"| {name} | {value} |" for name, value in settings)
 
 
 def usage_section(model_id: str) -> str:
-    """The card's Usage section for the repository or folder `model_id`."""
+    """The card's Usage section for the repository `model_id` (or a folder's name, before it is pushed)."""
     return f"""## Usage
 
-With the package installed (`pip install llama-moe-hf`):
+With transformers (5.23 or later) alone: the modeling code stored next to the weights is used, so both the model
+and the tokenizer need `trust_remote_code=True` (transformers reads the model's config before the tokenizer's):
 
 ```python
-import llama_moe_hf  # registers the llama-moe-hf model families with the transformers Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("{model_id}")
-tokenizer = AutoTokenizer.from_pretrained("{model_id}")
+model = AutoModelForCausalLM.from_pretrained("{model_id}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{model_id}", trust_remote_code=True)
 messages = [{{"role": "user", "content": "What is the capital of France?"}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```
 
-Without the package, the modeling code stored next to the weights is used:
-
-```python
-from transformers import AutoModelForCausalLM
-
-model = AutoModelForCausalLM.from_pretrained("{model_id}", trust_remote_code=True)
-```
-
-Or from the command line: `llama-moe chat {model_id} --prompt "What is the capital of France?"`."""
+With the llama-moe-hf package (`{INSTALL_LINE}`), `import llama_moe_hf` registers the model families with
+the Auto classes, so no remote code runs and `trust_remote_code` is not needed. It also gives the command line:
+`llama-moe chat {model_id} --prompt "What is the capital of France?"`."""
 
 
-def write_model_card(folder: Path, plan, source, total: int, active: int) -> Path:
+def quality_section(quality) -> str:
+    """What the conversion's quick check measured (`evaluation.quick.QuickCheck`), if it ran."""
+    if quality is None:
+        return ""
+    return f"""
+**Measured after conversion**: {quality.describe()}. `llama-moe eval` measures more (other text, lm-eval tasks).
+"""
+
+
+def write_model_card(folder: Path, plan, source, total: int, active: int, quality=None) -> Path:
     path = Path(folder) / "README.md"
-    path.write_text(render_model_card(plan, source, total, active), encoding="utf-8")
+    path.write_text(render_model_card(plan, source, total, active, quality), encoding="utf-8")
     return path
 
 
@@ -139,7 +159,9 @@ def card_for_repo(text: str, folder: Path, repo_id: str) -> str:
     from ..evaluation.options import RESULTS_FILE
 
     card = ModelCard(text)
-    body = _replace_section(card.text, "## Usage", usage_section(repo_id))
+    title, _, rest = card.text.lstrip("\n").partition("\n")
+    body = f"# {repo_id.split('/')[-1]}\n{rest}" if title.startswith("# ") else card.text
+    body = _replace_section(body, "## Usage", usage_section(repo_id))
     results_path = Path(folder) / RESULTS_FILE
     if results_path.is_file():
         results = json.loads(results_path.read_text(encoding="utf-8"))

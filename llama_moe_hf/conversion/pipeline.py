@@ -2,17 +2,21 @@
 
     recipe + run options -> resolve (before the source is opened) -> open the source -> plan -> calibration context
         -> every calibration pass, then the dense model is freed -> tensors streamed into shards -> config, code,
-        tokenizer, recipe, card -> the temporary folder replaces the output
+        tokenizer, recipe -> quick perplexity check against the dense model -> card -> the temporary folder
+        replaces the output
 
 A failed or interrupted conversion leaves nothing behind and never touches its source.
 """
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe
 from .registry import FAMILIES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +29,7 @@ class ConversionResult:
     files: list[str] = field(default_factory=list)
     recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
     pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
+    quality: object | None = None  # `evaluation.quick.QuickCheck`: perplexity next to the dense model's (`eval`)
 
 
 def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
@@ -104,9 +109,30 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
         plan.config.save_pretrained(tmp)
         source.save_extras(tmp)
         save_recipe(tmp / RECIPE_FILE, plan.asked, dataclasses.replace(run, model=source.reference))
-        write_model_card(tmp, plan, source, total, active)
+        quality = _quality_check(tmp, source, run, total)
+        write_model_card(tmp, plan, source, total, active, quality)
         files = sorted(p.name for p in tmp.iterdir())
-    return ConversionResult(output, total, active, files, plan.recipe)
+    return ConversionResult(output, total, active, files, plan.recipe, quality=quality)
+
+
+def _quality_check(folder: Path, source, run: RunOptions, total: int):
+    """`evaluation.quick.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
+    check, or the source has no tokenizer (each logged)."""
+    from ..evaluation.quick import MAX_PARAMETERS, quick_check
+
+    if not run.eval:
+        return None
+    if total > MAX_PARAMETERS:
+        logger.info("Quick perplexity check skipped (%s parameters): run `llama-moe eval` on the output.", f"{total:,}")
+        return None
+    try:
+        tokenizer = source.load_tokenizer()
+    except (OSError, ValueError) as error:
+        logger.info("Quick perplexity check skipped: the source has no tokenizer (%s).", error)
+        return None
+    check = quick_check(folder, source, tokenizer, device=run.device)
+    logger.info("%s", check.describe())
+    return check
 
 
 def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None, **fields) -> ConversionResult:

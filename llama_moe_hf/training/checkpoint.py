@@ -73,7 +73,7 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
     """README.md: the training stages, their results, usage, and what the first stage started from."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..conversion.card import TAGS, usage_section
+    from ..conversion.card import PROJECT_URL, TAGS, usage_section
 
     source_card = Path(source) / "README.md"
     base = ModelCard.load(source_card) if source_card.is_file() else None
@@ -89,7 +89,7 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
     body = f"""
 # {name}
 
-A Mixture-of-Experts model trained with [llama-moe-hf](https://github.com/llama-moe-hf/llama-moe-hf) recipes
+A Mixture-of-Experts model trained with [llama-moe-hf]({PROJECT_URL}) recipes
 after conversion. The full record of every stage is `{HISTORY_FILE}` in this repository.
 
 ## Training
