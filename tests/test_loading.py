@@ -69,3 +69,28 @@ def test_every_flag_has_help_text(command):
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     actions = [a for a in subparsers.choices[command]._actions if a.dest != "help"]
     assert actions and all(action.help for action in actions), [a.dest for a in actions if not a.help]
+
+
+def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(tiny_folders):
+    """What the card and README tell a user without the package, run in a fresh process where the package cannot be
+    imported and no one answers a prompt."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['llama_moe_hf'] = None\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(type(model).__name__, tokenizer('ab')['input_ids'])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_folders["fp32"])],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[0] == "LlamaMoEForCausalLM"
+    assert "[y/N]" not in run.stdout + run.stderr and "model of type" not in run.stderr
