@@ -359,7 +359,7 @@ def test_model_card_names_no_local_path_and_installs_from_the_repository(tmp_pat
     assert "calibration_data: calibration.txt" in text and f"| Source | `{dense_path.name}` |" in text
     assert "pip install 'llama-moe-hf @ git+https://github.com/llama-moe-hf/llama-moe-hf'" in text
     assert "pip install llama-moe-hf`" not in text  # not a published package
-    assert 'AutoTokenizer.from_pretrained("tiny-moe", trust_remote_code=True)' in text
+    assert 'PreTrainedTokenizerFast.from_pretrained("tiny-moe")' in text
 
 
 # ---------------------------------------------------------------- bad input: one clear error, nothing written

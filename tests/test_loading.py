@@ -79,8 +79,8 @@ def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(
 
     script = (
         "import sys; sys.modules['llama_moe_hf'] = None\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
+        "tokenizer = PreTrainedTokenizerFast.from_pretrained(sys.argv[1])\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "print(type(model).__name__, tokenizer('ab')['input_ids'])\n"
     )
@@ -94,3 +94,23 @@ def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[0] == "LlamaMoEForCausalLM"
     assert "[y/N]" not in run.stdout + run.stderr and "model of type" not in run.stderr
+    assert run.stdout.split(maxsplit=1)[1].strip() == "[67, 68]"  # the character tokenizer: "a", "b"
+
+
+def test_hub_id_resolves_from_huggingface_hubs_local_cache(tiny_folders, tmp_path):
+    """The real `snapshot_download`, offline, on a cache laid out as huggingface_hub writes it."""
+    import functools
+    import shutil
+
+    from huggingface_hub import snapshot_download
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--me--tiny"
+    shutil.copytree(tiny_folders["fp32"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    download = functools.partial(snapshot_download, cache_dir=tmp_path / "hub", local_files_only=True)
+    assert model_folder("me/tiny", download=download) == repo / "snapshots" / revision
+    assert info_lines("me/tiny", download=download)[0].startswith("me/tiny: LlamaMoEConfig")
+    with pytest.raises(FileNotFoundError, match="could not be downloaded"):
+        model_folder("me/absent", download=download)

@@ -107,14 +107,15 @@ def usage_section(model_id: str) -> str:
     """The card's Usage section for the repository `model_id` (or a folder's name, before it is pushed)."""
     return f"""## Usage
 
-With transformers (5.23 or later) alone: the modeling code stored next to the weights is used, so both the model
-and the tokenizer need `trust_remote_code=True` (transformers reads the model's config before the tokenizer's):
+With transformers (5.23 or later) alone: the modeling code stored next to the weights is used
+(`trust_remote_code=True`); the tokenizer is a plain fast tokenizer and loads with no remote code and no prompt
+(`AutoTokenizer` would read the model's config first, which needs the flag too):
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 model = AutoModelForCausalLM.from_pretrained("{model_id}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{model_id}", trust_remote_code=True)
+tokenizer = PreTrainedTokenizerFast.from_pretrained("{model_id}")
 messages = [{{"role": "user", "content": "What is the capital of France?"}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens=64, do_sample=False)

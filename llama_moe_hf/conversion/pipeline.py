@@ -130,6 +130,7 @@ def _quality_check(folder: Path, source, run: RunOptions, total: int):
     except (OSError, ValueError) as error:
         logger.info("Quick perplexity check skipped: the source has no tokenizer (%s).", error)
         return None
+    logger.info("Checking the result's perplexity against the dense model's (--no-eval skips this)...")
     check = quick_check(folder, source, tokenizer, device=run.device)
     logger.info("%s", check.describe())
     return check

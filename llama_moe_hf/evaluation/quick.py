@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-QUICK_TOKENS = 1024
+QUICK_TOKENS = 512
 QUICK_WINDOW = 256
 MAX_PARAMETERS = 1_500_000_000  # larger models: loading the MoE whole is no quick check; `llama-moe eval` does it
 NEEDS_TRAINING_RATIO = 1.5  # above this many times the dense perplexity, the card and the log say "train it first"
