@@ -81,6 +81,11 @@ def find_sites(model) -> list[tuple[type[Probe], Site]]:
     return sorted(found, key=lambda pair: (pair[1].layer, pair[1].kind))
 
 
+def fused_expert_weights(experts: nn.Module) -> torch.Tensor:
+    """`[E, P]`: each expert's gate, up and down weights of fused `gate_up_proj [E, 2m, H]` / `down_proj [E, H, m]`."""
+    return torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1).float()
+
+
 def swiglu_expert(experts: nn.Module, states: torch.Tensor, e: int) -> torch.Tensor:
     """Expert `e` of fused `gate_up_proj [E, 2m, H]` / `down_proj [E, H, m]` experts on `[N, H]` states: `[N, H]`."""
     gate, up = F.linear(states, experts.gate_up_proj[e]).chunk(2, dim=-1)

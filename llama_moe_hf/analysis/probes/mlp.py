@@ -3,7 +3,16 @@
 import torch
 import torch.nn.functional as F
 
-from .base import Probe, Routing, Site, capacity_dropped, one_hot_load, register_probe, swiglu_expert
+from .base import (
+    Probe,
+    Routing,
+    Site,
+    capacity_dropped,
+    fused_expert_weights,
+    one_hot_load,
+    register_probe,
+    swiglu_expert,
+)
 
 
 @register_probe("mlp")
@@ -31,8 +40,7 @@ class MoEMLPProbe(Probe):
 
     @staticmethod
     def expert_weights(site: Site) -> torch.Tensor:
-        experts = site.block.experts  # gate_up_proj [E, 2m, H], down_proj [E, H, m]
-        return torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1).float()
+        return fused_expert_weights(site.block.experts)
 
     @staticmethod
     def expert_outputs(site: Site, args: tuple, kwargs: dict, limit: int) -> torch.Tensor:
