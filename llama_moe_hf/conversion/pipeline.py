@@ -119,6 +119,7 @@ def _quality_check(folder: Path, source, run: RunOptions, total: int):
     """`evaluation.quick.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
     check, or the source has no tokenizer (each logged)."""
     from ..evaluation.quick import MAX_PARAMETERS, quick_check
+    from .calibration import transformers_progress_bars
 
     if not run.eval:
         return None
@@ -131,7 +132,8 @@ def _quality_check(folder: Path, source, run: RunOptions, total: int):
         logger.info("Quick perplexity check skipped: the source has no tokenizer (%s).", error)
         return None
     logger.info("Checking the result's perplexity against the dense model's (--no-eval skips this)...")
-    check = quick_check(folder, source, tokenizer, device=run.device)
+    with transformers_progress_bars(run.progress):
+        check = quick_check(folder, source, tokenizer, device=run.device)
     logger.info("%s", check.describe())
     return check
 
