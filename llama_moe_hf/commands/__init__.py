@@ -24,6 +24,19 @@ COMMANDS = {
 }
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a message is logged, not as it was when the handler was made (a program
+    that swaps stderr, e.g. a test's capture, would otherwise leave the handler writing to a closed stream)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it
+        pass
+
+
 def build_parser():
     from trl import TrlParser
 
@@ -42,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     package_logger = logging.getLogger("llama_moe_hf")  # progress messages (e.g. the calibration corpus used)
     if not package_logger.handlers:
-        package_logger.addHandler(logging.StreamHandler())
+        package_logger.addHandler(StderrHandler())
         package_logger.setLevel(logging.INFO)
     try:
         try:
