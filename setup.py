@@ -8,8 +8,13 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]),
-    package_data={"llama_moe_hf.evaluation": ["tasks/*.yaml", "tasks/*.jsonl"]},  # the local lm-eval task
+    # recipes/convert/ ships inside the package as llama_moe_hf/presets, so `--preset` works from any install
+    packages=[*find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]), "llama_moe_hf.presets"],
+    package_dir={"llama_moe_hf.presets": "recipes/convert"},
+    package_data={
+        "llama_moe_hf.evaluation": ["tasks/*.yaml", "tasks/*.jsonl"],  # the local lm-eval task
+        "llama_moe_hf.presets": ["*.yaml"],
+    },
     py_modules=["llama_moe_cli"],
     install_requires=[
         "torch>=2.9",
@@ -28,9 +33,9 @@ setup(
         "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
         "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
         "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2", "matplotlib"],  # matplotlib: the demonstrations' plots
-        "deepspeed": ["deepspeed>=0.18"],
+        "deepspeed": ["deepspeed>=0.18"],  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
         "analysis": ["matplotlib"],  # llama-moe analyze: the PNG plots
-        "eval": ["lm-eval>=0.4.9"],  # llama-moe eval --tasks: lm-evaluation-harness around our model instance  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
+        "eval": ["lm-eval>=0.4.9"],  # llama-moe eval --tasks: lm-evaluation-harness around our model instance
         "test": [
             "pytest",
             "psutil",

@@ -182,6 +182,15 @@ def test_selector_loss_is_lowest_for_scores_ranked_like_the_energy():
     assert g.selector_loss(exact, energy) < g.selector_loss(torch.zeros_like(exact), energy)
 
 
+def test_listwise_loss_is_the_cross_entropy_from_both_ends():
+    """The fast form (two logsumexps minus precomputed linear targets) equals the definition."""
+    generator = torch.Generator().manual_seed(0)
+    scores, energy = torch.randn(64, 8, generator=generator), torch.rand(64, 8, generator=generator) + 1e-3
+    keep = -(F.softmax(energy.log(), -1) * F.log_softmax(scores, -1)).sum(-1)
+    drop = -(F.softmax(-energy.log(), -1) * F.log_softmax(-scores, -1)).sum(-1)
+    torch.testing.assert_close(g.selector_loss(scores, energy), (keep + drop).mean())
+
+
 def test_train_selector_rejects_mismatched_energies_and_unknown_objectives():
     with pytest.raises(ValueError, match="energies must be"):
         g.train_selector(torch.randn(10, 8), torch.rand(10, 3), num_experts=4)

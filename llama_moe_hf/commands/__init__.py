@@ -54,10 +54,23 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     package_logger = logging.getLogger("llama_moe_hf")  # progress messages (e.g. the calibration corpus used)
-    if not package_logger.handlers:
-        package_logger.addHandler(StderrHandler())
+    handler, level = None, package_logger.level
+    if not package_logger.handlers:  # a program that configured logging itself keeps its own
+        handler = StderrHandler()
+        package_logger.addHandler(handler)
         package_logger.setLevel(logging.INFO)
     try:
+        return _run(argv)
+    finally:  # the handler is this call's; code that calls the Python API afterwards logs as it configured
+        if handler is not None:
+            package_logger.removeHandler(handler)
+            package_logger.setLevel(level)
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["convert"]:
+            argv = convert.expand_preset(argv)  # a named recipe file: read like --config FILE
         try:
             (args,) = build_parser().parse_args_and_config(argv)
         except SystemExit as exit:  # --help, or a flag error (one line printed already)

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 
 from ..conversion.choices import ROUTER_TYPES
+from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path
 from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
 from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
 
@@ -46,15 +47,53 @@ def register(subparsers) -> None:
         "convert",
         help="convert a dense LLaMA checkpoint into an MoE checkpoint",
         description="Convert a dense LLaMA checkpoint into an MoE checkpoint folder, streaming one layer at a time. "
-        "--config FILE reads a recipe file (flat YAML of these flags); flags given as well override it.",
-        epilog=components_text(),
+        "--preset NAME or --config FILE reads a recipe file (flat YAML of these flags); flags given as well override "
+        f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}.",
+        epilog=presets_text() + "\n\n" + components_text(),
         formatter_class=HelpFormatter,
         dataclass_types=[RecipeFields, *option_classes(), RunOptions],
+    )
+    parser.add_argument(
+        "--preset",
+        choices=preset_names(),
+        help=f"a named recipe of recipes/convert/ (listed below), like --config with its file; {BEST_PRESET} is the "
+        "best measured conversion without training",
     )
     choices = flag_choices()
     for action in parser._actions:
         if action.dest in choices and action.choices is None:  # a component may narrow its own flag's choices
             action.choices = choices[action.dest]
+
+
+def presets_text() -> str:
+    """The presets and their descriptions, for `--help`."""
+    import textwrap
+
+    lines = ["presets (--preset NAME; the files are recipes/convert/NAME.yaml):"]
+    for name in preset_names():
+        best = " [the measured best without training]" if name == BEST_PRESET else ""
+        lines.append(
+            textwrap.fill(
+                preset_description(name) + best, 110, initial_indent=f"  {name:24} ", subsequent_indent=" " * 27
+            )
+        )
+    return "\n".join(lines)
+
+
+def expand_preset(argv: list[str]) -> list[str]:
+    """`convert ... --preset NAME ...` as `convert ... --config FILE ...`, so that flags override a preset exactly as
+    they override a recipe file. An unknown name is left to the parser, whose one-line error lists the presets."""
+    index = next((i for i, arg in enumerate(argv) if arg == "--preset" or arg.startswith("--preset=")), None)
+    if index is None:
+        return argv
+    name, end = argv[index].partition("=")[2], index + 1
+    if argv[index] == "--preset":
+        name, end = (argv[index + 1] if index + 1 < len(argv) else ""), index + 2
+    if name not in preset_names():
+        return argv
+    if "--config" in argv:
+        raise ValueError("--preset and --config both name a recipe file; give one of them.")
+    return [*argv[:index], "--config", str(preset_path(name)), *argv[end:]]
 
 
 def components_text() -> str:

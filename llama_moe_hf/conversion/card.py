@@ -7,8 +7,10 @@ TAGS = ["moe", "mixture-of-experts", "llama-moe", "llama", "llama-moe-hf"]
 PROJECT_URL = "https://github.com/llama-moe-hf/llama-moe-hf"
 INSTALL_LINE = f"pip install 'llama-moe-hf @ git+{PROJECT_URL}'"  # not on PyPI: from the repository
 REFERENCES = (
-    "- LLaMA-MoE: Building Mixture-of-Experts from LLaMA with Continual Pre-training (Zhu et al., 2024), arXiv:2406.16554.\n"
-    "- Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints (Komatsuzaki et al., 2023), arXiv:2212.05055."
+    "- LLaMA-MoE: Building Mixture-of-Experts from LLaMA with Continual Pre-training (Zhu et al., 2024), "
+    "arXiv:2406.16554.\n"
+    "- Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints (Komatsuzaki et al., 2023), "
+    "arXiv:2212.05055."
 )
 
 
