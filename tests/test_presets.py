@@ -50,6 +50,7 @@ def test_flags_override_a_preset_wherever_they_stand():
     [
         (["--preset", "no-such-preset"], "invalid choice: 'no-such-preset'"),
         (["--preset", BEST_PRESET, "--config", "recipe.yaml"], "--preset and --config"),
+        (["--config=recipe.yaml", "--preset", BEST_PRESET], "--preset and --config"),
     ],
 )
 def test_bad_presets_are_one_line_errors(argv, message, tmp_path, capsys):

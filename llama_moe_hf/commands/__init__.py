@@ -24,19 +24,6 @@ COMMANDS = {
 }
 
 
-class StderrHandler(logging.StreamHandler):
-    """Writes to `sys.stderr` as it is when a message is logged, not as it was when the handler was made (a program
-    that swaps stderr, e.g. a test's capture, would otherwise leave the handler writing to a closed stream)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):  # StreamHandler.__init__ assigns it
-        pass
-
-
 def build_parser():
     from trl import TrlParser
 
@@ -56,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     package_logger = logging.getLogger("llama_moe_hf")  # progress messages (e.g. the calibration corpus used)
     handler, level = None, package_logger.level
     if not package_logger.handlers:  # a program that configured logging itself keeps its own
-        handler = StderrHandler()
+        handler = logging.StreamHandler()  # the stderr of this call; removed when it returns
         package_logger.addHandler(handler)
         package_logger.setLevel(logging.INFO)
     try:

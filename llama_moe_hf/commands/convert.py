@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import textwrap
 
 from ..conversion.choices import ROUTER_TYPES
 from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path
@@ -65,18 +66,17 @@ def register(subparsers) -> None:
             action.choices = choices[action.dest]
 
 
+def help_entry(name: str, description: str, column: int) -> str:
+    """One `--help` epilog entry: the name in a column of `column` characters, the description wrapped beside it."""
+    return textwrap.fill(description, 110, initial_indent=f"  {name:{column}} ", subsequent_indent=" " * (column + 3))
+
+
 def presets_text() -> str:
     """The presets and their descriptions, for `--help`."""
-    import textwrap
-
     lines = ["presets (--preset NAME; the files are recipes/convert/NAME.yaml):"]
     for name in preset_names():
         best = " [the measured best without training]" if name == BEST_PRESET else ""
-        lines.append(
-            textwrap.fill(
-                preset_description(name) + best, 110, initial_indent=f"  {name:24} ", subsequent_indent=" " * 27
-            )
-        )
+        lines.append(help_entry(name, preset_description(name) + best, 24))
     return "\n".join(lines)
 
 
@@ -91,22 +91,17 @@ def expand_preset(argv: list[str]) -> list[str]:
         name, end = (argv[index + 1] if index + 1 < len(argv) else ""), index + 2
     if name not in preset_names():
         return argv
-    if "--config" in argv:
+    if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
         raise ValueError("--preset and --config both name a recipe file; give one of them.")
     return [*argv[:index], "--config", str(preset_path(name)), *argv[end:]]
 
 
 def components_text() -> str:
     """The registered components and their descriptions, for `--help`."""
-    import textwrap
-
     lines = []
     for registry in REGISTRIES:
         lines.append(f"{registry.plural}:")
-        for name, component in registry.items():
-            lines.append(
-                textwrap.fill(component.description, 110, initial_indent=f"  {name:16} ", subsequent_indent=" " * 19)
-            )
+        lines.extend(help_entry(name, component.description, 16) for name, component in registry.items())
     return "\n".join(lines)
 
 

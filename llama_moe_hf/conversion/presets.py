@@ -9,10 +9,7 @@ A file's leading comment lines, up to its example command, are the preset's desc
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-PRESETS_DIR = next(
-    (folder for folder in (_PACKAGE / "presets", _PACKAGE.parent / "recipes" / "convert") if folder.is_dir()),
-    _PACKAGE.parent / "recipes" / "convert",
-)
+PRESETS_DIR = _PACKAGE / "presets" if (_PACKAGE / "presets").is_dir() else _PACKAGE.parent / "recipes" / "convert"
 # The best conversion without training measured so far (docs/quality.md, "How each default was chosen").
 BEST_PRESET = "g-moefication"
 
