@@ -68,6 +68,8 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
 
     from transformers import DynamicCache
 
+    from llama_moe_hf.modeling.modeling_llama_moe import CACHE_ARG  # the dense model takes the same name
+
     spent, started = collections.defaultdict(float), {}
 
     def timed(kind, module):
@@ -86,11 +88,11 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
             timed("mlp: experts", layer.mlp.experts)
     timed("lm_head", model.lm_head)
     cache = DynamicCache(config=model.config)
-    token = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    token = model(input_ids=input_ids, **{CACHE_ARG: cache}, use_cache=True).logits[:, -1:].argmax(-1)
     spent.clear()
     start = time.perf_counter()
     for _ in range(steps):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **{CACHE_ARG: cache}, use_cache=True).logits[:, -1:].argmax(-1)
     total = (time.perf_counter() - start) / steps * 1e3
     profile = {kind: value / steps * 1e3 for kind, value in spent.items()}
     profile["rest"] = total - sum(value for kind, value in profile.items() if not kind.startswith("mlp:"))

@@ -97,11 +97,11 @@ def check_generation(family, model, prompt, args, report):
         return
     caches = [StaticCache(config=model.config, max_cache_len=64) for _ in range(2)]
     for cache in caches:
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, cache=cache, use_cache=True)
     step = prompt[:, -1:]
-    expected = model(step, past_key_values=caches[0], use_cache=True).logits
+    expected = model(step, cache=caches[0], use_cache=True).logits
     compiled = torch.compile(model.forward, fullgraph=True)
-    actual = compiled(input_ids=step, past_key_values=caches[1], use_cache=True).logits
+    actual = compiled(input_ids=step, cache=caches[1], use_cache=True).logits
     compare(f"{family}: compiled decoding step", actual, expected, report)
 
 

@@ -26,6 +26,7 @@ from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_cal
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.sources import default_model_path
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
+from llama_moe_hf.modeling.modeling_llama_moe import CACHE_ARG
 
 
 class OracleRouter(nn.Module):
@@ -51,7 +52,7 @@ def install_oracle(model, top_k: int) -> None:
         def pre_hook(module, args, kwargs):
             captured = {}
             handle = module.o_proj.register_forward_pre_hook(lambda m, a: captured.update(heads=a[0]))
-            dense_kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+            dense_kwargs = {k: v for k, v in kwargs.items() if k != CACHE_ARG}
             LlamaAttention.forward(module, **dense_kwargs)  # the dense heads, no routing, no cache update
             handle.remove()
             heads = captured["heads"].reshape(-1, captured["heads"].shape[-1])

@@ -2,12 +2,18 @@
 
 import pytest
 import torch
+import transformers
 from helpers import logits, save_tiny_dense
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.sources import default_model_path
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which releases were tested, also under `-q` (CI runs the suite on more than one transformers)."""
+    terminalreporter.write_line(f"tested with transformers {transformers.__version__}, torch {torch.__version__}")
 
 
 @pytest.fixture(scope="session")

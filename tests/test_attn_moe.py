@@ -14,7 +14,7 @@ from llama_moe_hf.conversion.attention_fit import expert_output_norms, fit_atten
 from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
-from llama_moe_hf.modeling.modeling_llama_moe import router_z_loss_func
+from llama_moe_hf.modeling.modeling_llama_moe import output_cache, router_z_loss_func
 
 # (query heads, KV heads, hidden size): 32/8-style and 9/3-style grouped-query attention.
 GQA_SHAPES = [(32, 8, 128), (9, 3, 72)]
@@ -176,6 +176,7 @@ def routed_smollm2(smollm2):
     return model, smollm2[1]
 
 
+@pytest.mark.smoke
 def test_generation_with_cache_equals_without(routed_smollm2):
     model, tokenizer = routed_smollm2
     ids = tokenizer(["The standard library module for regular expressions is"], return_tensors="pt")
@@ -185,23 +186,25 @@ def test_generation_with_cache_equals_without(routed_smollm2):
         # And the logits of a cached step equal those of the full forward.
         full = model(cached).logits[0, -1]
         prefix = model(cached[:, :-1], use_cache=True)
-        step = model(cached[:, -1:], past_key_values=prefix.past_key_values).logits[0, -1]
+        step = model(cached[:, -1:], cache=output_cache(prefix)).logits[0, -1]
     assert torch.equal(cached, uncached)
     # Routing is identical; this untrained model's ~1000-sized activations on the last token amplify float32 noise
     # to ~3e-3 (1e-4 relative). A wrong cache would be off by whole logits.
     torch.testing.assert_close(step, full, atol=1e-2, rtol=0)
 
 
+@pytest.mark.smoke
 def test_cached_decoding_equals_the_full_forward_tiny():
     model = build_moe(dense_model(), attn_experts=8, attn_top_k=3)
     ids = batch_of_ids(length=12)
     with torch.no_grad():
         full = model(ids).logits
-        cache = model(ids[:, :8], use_cache=True).past_key_values
-        steps = [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(8, 12)]
+        cache = output_cache(model(ids[:, :8], use_cache=True))
+        steps = [model(ids[:, i : i + 1], cache=cache).logits for i in range(8, 12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 8:], atol=1e-5, rtol=0)
 
 
+@pytest.mark.smoke
 def test_left_padded_batch_generation_equals_one_by_one(routed_smollm2):
     model, tokenizer = routed_smollm2
     prompts = ["Return the absolute value of a number.", "Open a file and return a stream for it, in text mode"]
@@ -215,6 +218,7 @@ def test_left_padded_batch_generation_equals_one_by_one(routed_smollm2):
             assert batched[row, -5:].tolist() == single[0, -5:].tolist()
 
 
+@pytest.mark.smoke
 def test_beam_search_with_cache_equals_without():
     # Large init: decisive logits, so the beams do not hinge on float noise.
     dense = dense_model(initializer_range=0.5)
@@ -325,6 +329,7 @@ def test_combined_all_experts_is_the_dense_model():
         torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.smoke
 @torch.no_grad()
 def test_static_cache_and_compiled_decoding():
     model = build_moe(dense_model(), attn_experts=8, attn_top_k=3, mlp_moe=True, num_experts=4)
@@ -334,10 +339,10 @@ def test_static_cache_and_compiled_decoding():
     model.config.attention_experts_implementation = "gathered"  # falls back to masked under compile / static cache
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
     for cache in caches:
-        model(ids, past_key_values=cache, use_cache=True)
-    expected = model(ids[:, -1:], past_key_values=caches[0], use_cache=True).logits
+        model(ids, cache=cache, use_cache=True)
+    expected = model(ids[:, -1:], cache=caches[0], use_cache=True).logits
     compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
-    got = compiled(input_ids=ids[:, -1:], past_key_values=caches[1], use_cache=True).logits
+    got = compiled(input_ids=ids[:, -1:], cache=caches[1], use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -346,6 +351,7 @@ def test_static_cache_and_compiled_decoding():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     model = build_moe(
         dense_model(), attn_experts=4, attn_top_k=2, mlp_moe=True, moe_layers=["1"], num_experts=4, top_k=1
@@ -462,9 +468,9 @@ def test_gathered_implementation_equals_masked(implementation, num_experts, top_
             rows = keep if attention_mask is not None else torch.ones_like(keep)
             torch.testing.assert_close(got[rows], expected[rows], atol=1e-5, rtol=1e-5)
         # Cached decoding, one token at a time.
-        cache = gathered(ids[:, :7], attention_mask=mask[:, :7], use_cache=True).past_key_values
+        cache = output_cache(gathered(ids[:, :7], attention_mask=mask[:, :7], use_cache=True))
         for i in range(7, 10):
-            step = gathered(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache).logits
+            step = gathered(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits
             full = masked(ids[:, : i + 1], attention_mask=mask[:, : i + 1]).logits[:, -1:]
             torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 

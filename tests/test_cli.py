@@ -159,6 +159,7 @@ def test_module_entry_point_in_a_subprocess(tmp_path, dense):
     assert list(existing.iterdir()) == []
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_chat_with_converted_smollm2(tmp_path, smollm2_path):
     # Upcycled experts compute exactly the dense FFN, so the answer is the dense model's answer.

@@ -17,6 +17,8 @@ from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.export import export_model
 from llama_moe_hf.export.gguf import rope_permute
 
+pytestmark = pytest.mark.smoke  # exports go through transformers' own MoE classes: checked on every pinned release
+
 CALIBRATION = dict(calibration_tokens=256, calibration_seq_len=32)
 BOTH = ("mixtral", "qwen2_moe")
 # (name, convert_to_moe fields, targets it exports to): every construction method that can export

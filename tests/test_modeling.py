@@ -18,7 +18,12 @@ from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES
 from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe
-from llama_moe_hf.modeling.modeling_llama_moe import ROUTER_CLASSES, LlamaMoERouter, router_z_loss_func
+from llama_moe_hf.modeling.modeling_llama_moe import (
+    CACHE_ARG,
+    ROUTER_CLASSES,
+    LlamaMoERouter,
+    router_z_loss_func,
+)
 
 
 @pytest.fixture(scope="module")
@@ -290,18 +295,20 @@ def test_bf16_forward():
 # Attention, caches, generation, torch.compile
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("compensation", [False, True])
 def test_static_cache_generation_equals_the_dynamic_cache(compensation):
     model = tiny_moe(num_shared_experts=1, moe_compensation=compensation, router_type="noisy_top_k")
     input_ids = token_batch(batch_size=1, length=6)
     kwargs = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
-    dynamic = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    dynamic = model.generate(input_ids, **{CACHE_ARG: DynamicCache(config=model.config)}, **kwargs)
     static = model.generate(input_ids, cache_implementation="static", **kwargs)
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert dynamic.shape == (1, 16)
     assert torch.equal(static, dynamic) and torch.equal(uncached, dynamic)
 
 
+@pytest.mark.smoke
 @torch.no_grad()
 def test_a_compiled_decoding_step_has_no_graph_break_and_matches_eager():
     """`fullgraph=True` fails on any graph break: under compile the experts run transformers' grouped_mm."""
@@ -310,22 +317,24 @@ def test_a_compiled_decoding_step_has_no_graph_break_and_matches_eager():
     input_ids, next_token = token_batch(batch_size=2, length=6), token_batch(batch_size=2, length=1, seed=1)
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
     for cache in caches:
-        model(input_ids, past_key_values=cache, use_cache=True)
-    expected = model(next_token, past_key_values=caches[0], use_cache=True).logits
+        model(input_ids, cache=cache, use_cache=True)
+    expected = model(next_token, cache=caches[0], use_cache=True).logits
     compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
     torch.testing.assert_close(
-        compiled(input_ids=next_token, past_key_values=caches[1], use_cache=True).logits, expected, atol=1e-5, rtol=1e-4
+        compiled(input_ids=next_token, cache=caches[1], use_cache=True).logits, expected, atol=1e-5, rtol=1e-4
     )
 
 
+@pytest.mark.smoke
 def test_greedy_generation_with_cache_equals_without():
     model = tiny_moe()
     input_ids = token_batch(batch_size=1, length=6)
     kwargs = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
-    cached = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    cached = model.generate(input_ids, **{CACHE_ARG: DynamicCache(config=model.config)}, **kwargs)
     assert torch.equal(cached, model.generate(input_ids, use_cache=False, **kwargs))
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_batched_left_padded_generation_equals_one_by_one(smollm2, smollm2_moe_top2):
     _, tokenizer = smollm2

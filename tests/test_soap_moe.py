@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
 from llama_moe_hf.commands import main
 from llama_moe_hf.conversion.families.base import dense_config_fields
+from llama_moe_hf.modeling.modeling_llama_moe import output_cache
 
 SEGMENT = 8
 
@@ -152,6 +153,7 @@ def test_padding_is_left_out_of_the_segment_means():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 @torch.no_grad()
 def test_prompt_routing_generation_is_the_dense_llama_of_the_merged_weights():
     model = soap_model(routing_mode="prompt")
@@ -164,6 +166,7 @@ def test_prompt_routing_generation_is_the_dense_llama_of_the_merged_weights():
     torch.testing.assert_close(torch.stack(ours.scores), torch.stack(theirs.scores), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.smoke
 @torch.no_grad()
 def test_segment_routing_generation_matches_the_full_forward_across_segments():
     """With the prompt covering segment 0, cached decoding re-routes at every border exactly as training does."""
@@ -174,6 +177,7 @@ def test_segment_routing_generation_matches_the_full_forward_across_segments():
     torch.testing.assert_close(torch.stack(out.scores, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.smoke
 @torch.no_grad()
 @pytest.mark.parametrize("routing_mode", ["segment", "prompt"])
 def test_beam_search_keeps_each_beams_routing(routing_mode):
@@ -188,7 +192,7 @@ def test_beam_search_keeps_each_beams_routing(routing_mode):
     rows = prompt.repeat_interleave(3, dim=0)
     if routing_mode == "prompt":  # a fresh forward routes on all it sees: score the continuation with a cache instead
         prefill = model(rows, use_cache=True)
-        rest = model(out.sequences[:, prompt.shape[1] : -1], past_key_values=prefill.past_key_values).logits
+        rest = model(out.sequences[:, prompt.shape[1] : -1], cache=output_cache(prefill)).logits
         step_logits = torch.cat([prefill.logits[:, -1:], rest], dim=1)
     else:
         step_logits = model(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
@@ -214,6 +218,7 @@ def test_routing_statistics_come_with_a_forward_pass():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_convert_command_upcycles_into_soap_moe_and_saves_remote_code(tmp_path, tiny_dense):
     dense_folder, ids, dense_logits = tiny_dense
     out = tmp_path / "soap"

@@ -1,11 +1,27 @@
 """LlamaMoE configuration: a LLaMA config plus the Mixture-of-Experts fields.
 
-This file is copied next to saved checkpoints (remote code), so it only imports from transformers and
-huggingface_hub.
+This file is copied next to saved checkpoints (remote code), so it only imports from transformers, huggingface_hub and
+packaging (a dependency of transformers).
 """
 
+import transformers
 from huggingface_hub.dataclasses import strict
+from packaging.specifiers import SpecifierSet
 from transformers import LlamaConfig
+
+# This code's version (llama-moe-hf's) and the transformers releases it runs on. A saved folder's copy carries both:
+# `llama-moe info` tells a folder whose copy is older than the installed package's (`llama-moe upgrade` replaces it),
+# and the copy refuses, in one line, a transformers outside the range instead of generating garbage. setup.py reads
+# both from here; CI tests the lowest and the newest release of the range (TRANSFORMERS_TESTED).
+LLAMA_MOE_VERSION = "0.2.0"
+TRANSFORMERS_REQUIREMENT = ">=5.23,<6"
+TRANSFORMERS_TESTED = ("5.23.0", "5.24.0")
+
+if transformers.__version__ not in SpecifierSet(TRANSFORMERS_REQUIREMENT, prereleases=True):
+    raise ImportError(
+        f"This model's code (llama-moe-hf {LLAMA_MOE_VERSION}) needs transformers{TRANSFORMERS_REQUIREMENT}, "
+        f"found {transformers.__version__}: pip install 'transformers{TRANSFORMERS_REQUIREMENT}'"
+    )
 
 ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice")
 

@@ -50,6 +50,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from .configuration_attn_moe import AttnMoEConfig
 from .modeling_llama_moe import (
     ROUTER_CLASSES,
+    accepts_past_key_values,
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
     LlamaMoEForSequenceClassification,
@@ -104,27 +105,28 @@ class AttnMoEAttention(LlamaAttention):
             config, num_experts=config.num_attention_experts, top_k=config.num_attention_experts_per_tok
         )
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,  # [B, S, H]
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         router_logits, top_k_weights, top_k_index = self.gate(hidden_states)  # [T, E], [T, k], [T, k]
         top_k_weights = top_k_weights * self.score_scale_factor
-        if self._can_gather(kwargs, past_key_values):
+        if self._can_gather(kwargs, cache):
             attn_weights = None
             attn_output = self._forward_gathered(
-                hidden_states, position_embeddings, attention_mask, past_key_values, top_k_weights, top_k_index
+                hidden_states, position_embeddings, attention_mask, cache, top_k_weights, top_k_index
             )
         else:
             attn_output, attn_weights = self._forward_masked(
                 hidden_states,
                 position_embeddings,
                 attention_mask,
-                past_key_values,
+                cache,
                 top_k_weights,
                 top_k_index,
                 **kwargs,
@@ -135,7 +137,7 @@ class AttnMoEAttention(LlamaAttention):
         return attn_output, attn_weights
 
     def _forward_masked(
-        self, hidden_states, position_embeddings, attention_mask, past_key_values, top_k_weights, top_k_index, **kwargs
+        self, hidden_states, position_embeddings, attention_mask, cache, top_k_weights, top_k_index, **kwargs
     ):
         """LlamaAttention's computation, with each head's output weighted by its expert's weight before o_proj."""
         input_shape = hidden_states.shape[:-1]
@@ -148,8 +150,8 @@ class AttnMoEAttention(LlamaAttention):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -173,7 +175,7 @@ class AttnMoEAttention(LlamaAttention):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    def _can_gather(self, kwargs, past_key_values) -> bool:
+    def _can_gather(self, kwargs, cache) -> bool:
         # The gathered path slices the projection weights, calls sdpa itself and builds its own causal mask for the
         # keys it holds, so wrapped projections (LoRA, quantized), other kernels, attention dropout, returned
         # attention weights, fixed-size (static) caches and torch.compile (routing-dependent shapes) use the masked
@@ -185,7 +187,7 @@ class AttnMoEAttention(LlamaAttention):
             and type(self.o_proj) is nn.Linear
             and not (self.training and self.attention_dropout > 0)
             and not (kwargs.get("output_attentions") or self.config.output_attentions)
-            and not (past_key_values is not None and past_key_values.is_compileable)
+            and not (cache is not None and cache.is_compileable)
             and not is_torchdynamo_compiling()
         )
 
@@ -194,7 +196,7 @@ class AttnMoEAttention(LlamaAttention):
         hidden_states: torch.Tensor,  # [B, S, H]
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,  # [B, 1, S, K] bool or additive, or None (causal, no padding)
-        past_key_values: Cache | None,
+        cache: Cache | None,
         top_k_weights: torch.Tensor,  # [T, k], T = B*S
         top_k_index: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
@@ -205,8 +207,8 @@ class AttnMoEAttention(LlamaAttention):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, kv, S, D]
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = key_states * cos[:, None] + rotate_half(key_states) * sin[:, None]
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attention_mask = self._gathered_mask(attention_mask, batch_size, seq_len, key_states.shape[2], hidden_states)
 
         flat_states = hidden_states.reshape(-1, hidden_size)  # [T, H]
@@ -291,12 +293,13 @@ class AttnMoEModel(AttnMoEPreTrainedModel, LlamaMoEModel):
     decoder_layer_class = AttnMoEDecoderLayer
 
     @can_return_tuple
+    @accepts_past_key_values
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
@@ -319,7 +322,7 @@ class AttnMoEModel(AttnMoEPreTrainedModel, LlamaMoEModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,

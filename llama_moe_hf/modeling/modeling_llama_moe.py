@@ -23,6 +23,7 @@ This file is copied next to saved checkpoints (remote code): it imports only tra
 `.configuration_llama_moe`.
 """
 
+import functools
 import math
 import os
 from fractions import Fraction
@@ -52,6 +53,29 @@ from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_llama_moe import LlamaMoEConfig
+
+# transformers 5.24 renamed the cache argument of models, decoder layers, attention and masks, and the cache field of
+# model outputs, from `past_key_values` to `cache`. This file follows the new name; `CACHE_ARG` is the name of the
+# installed release, for calls into transformers' modules and for output fields, so the same file runs on 5.23 too.
+CACHE_ARG = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def accepts_past_key_values(forward):
+    """`forward(..., cache=...)` that also takes the cache as `past_key_values=` (what transformers < 5.24 passes)."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, past_key_values: Cache | None = None, **kwargs):
+        if past_key_values is not None and kwargs.get("cache") is None:
+            kwargs["cache"] = past_key_values
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def output_cache(outputs) -> Cache | None:
+    """The cache a model output carries, whichever name the installed transformers gives the field."""
+    return outputs.get(CACHE_ARG)
+
 
 # `llama_moe_cpu`: while no expert gets more than this many (token, expert) rows, one batched matmul over zero-padded
 # per-expert rows beats a loop of small per-expert matmuls (16 experts x 256 neurons, top-4, on CPU: inputs of up to
@@ -470,12 +494,13 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         routing_context: object | None = None,
@@ -487,9 +512,9 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **{CACHE_ARG: cache},
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -531,7 +556,7 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LlamaMoEDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARG]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -611,12 +636,13 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @accepts_past_key_values
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -625,10 +651,10 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -636,12 +662,12 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_ARG: cache},
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        context = self.routing_context(attention_mask, past_key_values, inputs_embeds)
+        context = self.routing_context(attention_mask, cache, inputs_embeds)
         if context is not None:
             kwargs["routing_context"] = context
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -650,14 +676,14 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **{CACHE_ARG: cache},
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return self.output_class(last_hidden_state=hidden_states, **{CACHE_ARG: cache})
 
-    def routing_context(self, attention_mask, past_key_values, inputs_embeds) -> object | None:
+    def routing_context(self, attention_mask, cache, inputs_embeds) -> object | None:
         """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here."""
         return None
 
@@ -682,12 +708,13 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
+    @accepts_past_key_values
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -706,7 +733,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
@@ -733,7 +760,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
 
     def causal_lm_output(self, outputs: MoeModelOutputWithPast, attention_mask, **fields) -> MoeCausalLMOutputWithPast:
         return MoeCausalLMOutputWithPast(
-            past_key_values=outputs.past_key_values,
+            **{CACHE_ARG: output_cache(outputs)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
@@ -768,6 +795,7 @@ class LlamaMoEForTokenClassification(GenericForTokenClassification, LlamaMoEPreT
 
 
 __all__ = [
+    "CACHE_ARG",
     "ROUTER_CLASSES",
     "LlamaMoEExperts",
     "LlamaMoEForCausalLM",

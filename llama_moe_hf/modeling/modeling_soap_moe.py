@@ -420,16 +420,16 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
     decoder_layer_class = SoapMoEDecoderLayer
     output_class = SoapMoEModelOutputWithPast
 
-    def routing_context(self, attention_mask, past_key_values, inputs_embeds) -> SoapRoutingContext:
+    def routing_context(self, attention_mask, cache, inputs_embeds) -> SoapRoutingContext:
         length = inputs_embeds.shape[1]
         padding_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
-        if past_key_values is None:
+        if cache is None:
             return SoapRoutingContext(padding_mask, 0)
         if self.training:  # training routes by segments whatever `routing_mode` says, and keeps no routing state
-            return SoapRoutingContext(padding_mask, past_key_values.get_seq_length())
-        if not hasattr(past_key_values, "soap_routing"):
-            past_key_values.soap_routing = {}
-        return SoapRoutingContext(padding_mask, past_key_values.get_seq_length(), past_key_values.soap_routing)
+            return SoapRoutingContext(padding_mask, cache.get_seq_length())
+        if not hasattr(cache, "soap_routing"):
+            cache.soap_routing = {}
+        return SoapRoutingContext(padding_mask, cache.get_seq_length(), cache.soap_routing)
 
 
 class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, GenerationMixin):
@@ -441,12 +441,12 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
     def router_aux_loss(self, outputs, attention_mask) -> None:
         return None
 
-    def _reorder_cache(self, past_key_values, beam_idx: torch.LongTensor):
+    def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
         """Beam search: the SOAP layers' routing states follow the KV cache's rows."""
-        past_key_values.reorder_cache(beam_idx)
-        for state in getattr(past_key_values, "soap_routing", {}).values():
+        cache.reorder_cache(beam_idx)
+        for state in getattr(cache, "soap_routing", {}).values():
             state.reorder(beam_idx)
-        return past_key_values
+        return cache
 
     def causal_lm_output(self, outputs, attention_mask, **fields) -> SoapMoECausalLMOutputWithPast:
         weights = outputs.routing_weights

@@ -36,12 +36,14 @@ class AttentionProbe(Probe):
     @staticmethod
     def expert_outputs(site: Site, args: tuple, kwargs: dict, limit: int) -> torch.Tensor:
         """Expert e's output is the attention with only e selected at weight 1, on whole sequences."""
+        from ...modeling.modeling_llama_moe import CACHE_ARG
+
         kwargs = dict(kwargs)
         states = args[0] if args else kwargs.pop("hidden_states")  # [B, S, H]
         rows = math.ceil(limit / states.shape[1])
         cos, sin = kwargs.pop("position_embeddings")
         mask = kwargs.pop("attention_mask", None)
-        kwargs.pop("past_key_values", None)  # the analysis must not write into a cache
+        kwargs.pop(CACHE_ARG, None)  # the analysis must not write into a cache
         states, cos, sin = states[:rows], cos[:rows], sin[:rows]
         mask = mask[:rows] if mask is not None and mask.dim() > 1 else mask
         tokens = states.shape[0] * states.shape[1]
