@@ -15,6 +15,7 @@ import torch
 from helpers import tiny_llama
 
 from llama_moe_hf import build_moe
+from llama_moe_hf.modeling.configuration_llama_moe import LLAMA_MOE_VERSION, TRANSFORMERS_REQUIREMENT
 
 pytestmark = pytest.mark.smoke
 
@@ -93,3 +94,25 @@ def test_remote_code_generates_what_the_package_generates(installed, remote, fam
     }
     # From embeddings the new tokens are those generated from the same ids.
     assert installed[family]["embeds_uncached"][0] == installed[family]["uncached"][0][len(PROMPTS[0]) :]
+
+
+@pytest.mark.parametrize("version", ["5.22.2", "6.0.0"])
+def test_remote_code_refuses_a_transformers_outside_the_pin_in_one_line(family_folders, version):
+    script = (
+        "import sys, transformers\n"
+        f"transformers.__version__ = {version!r}  # what the folder's code sees\n"
+        "sys.modules['llama_moe_hf'] = None\n"
+        "from transformers import AutoConfig\n"
+        "try:\n"
+        "    AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(family_folders["soap_moe"])], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    pin = f"transformers{TRANSFORMERS_REQUIREMENT}"
+    assert run.stdout.strip() == (
+        f"This model's code (llama-moe-hf {LLAMA_MOE_VERSION}) needs {pin}, found {version}: pip install '{pin}'"
+    )
