@@ -1,8 +1,16 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The version and the transformers range live in the model code, which saved folders carry (read, not imported:
+# importing it needs transformers).
+MODEL_CODE = Path(__file__).with_name("llama_moe_hf") / "modeling" / "configuration_llama_moe.py"
+CONSTANTS = dict(re.findall(r'^(LLAMA_MOE_VERSION|TRANSFORMERS_REQUIREMENT) = "([^"]+)"', MODEL_CODE.read_text(), re.M))
 
 setup(
     name="llama-moe-hf",
-    version="0.1.0",
+    version=CONSTANTS["LLAMA_MOE_VERSION"],
     description="Turn dense LLaMA-family checkpoints into Mixture-of-Experts models for Hugging Face transformers.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -16,38 +24,40 @@ setup(
         "llama_moe_hf.presets": ["*.yaml"],
     },
     py_modules=["llama_moe_cli"],
+    # Everything the documented commands' default paths import; what only an option needs is an extra, and the
+    # command refuses that option at once, before any model is loaded, naming the extra (llama_moe_hf/preflight.py).
     install_requires=[
         "torch>=2.9",
-        "transformers>=5.23,<6",
+        "transformers" + CONSTANTS["TRANSFORMERS_REQUIREMENT"],
         "safetensors>=0.8",
         "huggingface_hub>=2.4",
         "accelerate>=1.15",
         "gguf>=0.19",
         "tqdm",
         "pyyaml",
-        "trl>=1.16",  # TrlParser: the command line's dataclass flags and --config recipe files
+        "numpy",
+        "packaging",  # the model configs' version checks (transformers needs it too)
+        "trl>=1.16",  # TrlParser: the command line's dataclass flags and --config recipe files; SFT
+        "datasets>=5.2",  # calibration and eval data by name, batch-similar's datasets output, the training recipes
+        "pyarrow",  # .parquet documents, packed sequences
+        "k-means-constrained>=0.9.1",  # convert: balanced k-means (--method cluster/residual, the presets)
+        "scikit-learn",  # batch-similar: TF-IDF embedding and the exact neighbour search
+        "matplotlib",  # analyze: the PNG plots
     ],
     extras_require={
-        "calibration": ["datasets>=5.2", "k-means-constrained>=0.9.1", "scikit-learn"],
-        "similarity": ["scikit-learn", "faiss-cpu", "datasets>=5.2"],  # llama-moe batch-similar
-        "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
-        "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
-        "train": ["trl>=1.16", "peft>=0.21", "datasets>=5.2", "matplotlib"],  # matplotlib: the demonstrations' plots
-        "deepspeed": ["deepspeed>=0.18"],  # recipes/accelerate/zero{2,3}.yaml (zero_optimization.leaf_module)
-        "analysis": ["matplotlib"],  # llama-moe analyze: the PNG plots
         "eval": ["lm-eval>=0.4.9"],  # llama-moe eval --tasks: lm-evaluation-harness around our model instance
+        "similarity": ["faiss-cpu"],  # batch-similar --search faiss (and the fast path of --search auto)
+        "sentence-transformers": ["sentence-transformers"],  # batch-similar --embedder sentence-transformers
+        "deepspeed": ["deepspeed>=0.18"],  # recipes/accelerate/zero{2,3}.yaml, --deepspeed ds_zero{2,3}.json
+        "flash-attn": ["flash-attn>=2.7"],  # attn_implementation="flash_attention_2" (CUDA)
+        "train": ["peft>=0.21"],  # LoRA on the experts (docs/modeling.md)
         "test": [
             "pytest",
             "psutil",
-            "trl>=1.16",
             "peft>=0.21",
-            "datasets>=5.2",
-            "k-means-constrained>=0.9.1",
-            "scikit-learn",
             "faiss-cpu",
             "sentence-transformers",
             "deepspeed>=0.18",  # the ZeRO configs are validated and run on CPU
-            "matplotlib",
             "lm-eval>=0.4.9",
         ],
     },

@@ -9,7 +9,7 @@ seconds, and `--help` answers at once.
 import importlib
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
 
 _EXPORTS = {
     "AttnMoEConfig": "llama_moe_hf.modeling",

@@ -48,11 +48,16 @@ def load_model(
     the checkpoint's dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .conversion.sources.folder import TOKENIZER_FILES
     from .modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
     folder = model_folder(spec, download=download)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):  # transformers would blame sentencepiece
+        raise ValueError(
+            f"{folder} has no tokenizer (no tokenizer.json or tokenizer.model): copy the source's into it."
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device or default_device()).eval(), tokenizer, folder

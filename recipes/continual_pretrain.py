@@ -10,18 +10,20 @@ Several processes: `torchrun --nproc_per_node N recipes/continual_pretrain.py ..
 `accelerate launch --config_file recipes/accelerate/<ddp|zero2|zero3|fsdp2>.yaml recipes/continual_pretrain.py ...`.
 
 Options: `ContinualPretrainArguments` (llama_moe_hf/training/pretrain.py) and transformers' `TrainingArguments`, from
-flags or the YAML `--config` (TRL's `TrlParser`; flags override the file).
+flags or the YAML `--config` (`llama_moe_hf.parsing.Parser`, TRL's `TrlParser`; flags override the file).
 """
 
 from transformers import TrainingArguments
-from trl import TrlParser
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
+from llama_moe_hf.parsing import Parser
+from llama_moe_hf.preflight import check_training
 from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
 
 
 def main(argv=None):
-    args, training = TrlParser((ContinualPretrainArguments, TrainingArguments)).parse_args_and_config(argv)
+    parser = Parser((ContinualPretrainArguments, TrainingArguments), preflight=check_training)
+    args, training = parser.parse_args_and_config(argv)
     return continual_pretrain(args, training)
 
 

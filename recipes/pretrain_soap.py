@@ -10,10 +10,10 @@ Several processes, with the stock launcher (two CPU processes over gloo here; dr
         --ddp_backend gloo --output_dir outputs/soap-ddp
 
 Options: this file's `SoapPretrainArguments` and transformers' `TrainingArguments`, from flags or a YAML `--config`
-(TRL's `TrlParser`). Documents come from `--documents` (as `llama-moe batch-similar` reads them; default: the
-built-in corpus); a held-out set of whole documents is the validation text. Both stages use the same schedule
-settings; the second starts a fresh optimizer (as upcycling does: the expert tensors are new parameters) and the
-dense baseline does the same, so the only difference between the variants is the upcycling.
+(`llama_moe_hf.parsing.Parser`, TRL's `TrlParser`). Documents come from `--documents` (as `llama-moe batch-similar`
+reads them; default: the built-in corpus); a held-out set of whole documents is the validation text. Both stages use
+the same schedule settings; the second starts a fresh optimizer (as upcycling does: the expert tensors are new
+parameters) and the dense baseline does the same, so the only difference between the variants is the upcycling.
 Writes the final model as a complete checkpoint (training history and card) and `results.json` (validation
 perplexity, tokens/s, expert utilisation) to --output_dir.
 """
@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-from trl import TrlParser
 
 from llama_moe_hf import SoapMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.calibration import load_calibration_texts
 from llama_moe_hf.conversion.writer import atomic_file
 from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
+from llama_moe_hf.parsing import Parser
+from llama_moe_hf.preflight import check_training
 from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
@@ -148,7 +149,8 @@ def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForC
 
 
 def main(argv=None) -> None:
-    args, training = TrlParser((SoapPretrainArguments, TrainingArguments)).parse_args_and_config(argv)
+    parser = Parser((SoapPretrainArguments, TrainingArguments), preflight=check_training)
+    args, training = parser.parse_args_and_config(argv)
     tokenizer = load_tokenizer(args.tokenizer)
     train, validation = load_data(args, tokenizer)
     routing_batch = torch.tensor(validation[:4]["input_ids"])

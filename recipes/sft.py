@@ -8,17 +8,21 @@ Several processes: `torchrun --nproc_per_node N recipes/sft.py --config ...`, or
 `accelerate launch --config_file recipes/accelerate/<ddp|zero2|zero3|fsdp2>.yaml recipes/sft.py --config ...`.
 
 Options: TRL's `ScriptArguments`, `SFTConfig`, `ModelConfig`, `DatasetMixtureConfig` (exactly `trl sft`'s) plus
-`MoESFTArguments` (`--freeze_routers`), from flags or the YAML `--config`; flags override the file.
+`MoESFTArguments` (`--freeze_routers`), from flags or the YAML `--config` (`llama_moe_hf.parsing.Parser`); flags
+override the file.
 """
 
-from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
+from llama_moe_hf.parsing import Parser
+from llama_moe_hf.preflight import check_training
 from llama_moe_hf.training.sft import MoESFTArguments, run_sft
 
 
 def main(argv=None):
-    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, MoESFTArguments))
+    arguments = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, MoESFTArguments)
+    parser = Parser(arguments, preflight=check_training)
     return run_sft(*parser.parse_args_and_config(argv))
 
 

@@ -51,3 +51,17 @@ def tiny_dense(tmp_path_factory):
 def tiny_calibration(tiny_dense):
     """The calibration text file beside `tiny_dense`."""
     return tiny_dense[0].parent / "calibration.txt"
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading a model (a dense source for conversion, or a model for analyze/eval) fails the test: what is refused
+    must be refused before."""
+    from llama_moe_hf import loading
+    from llama_moe_hf.conversion.sources.folder import FolderSource
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(FolderSource, "load_model", loaded)
+    monkeypatch.setattr(loading, "load_model", loaded)

@@ -3,6 +3,7 @@ fixtures come from conftest.py); they never import each other."""
 
 import hashlib
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,53 @@ def load_as_remote_code(folder: Path, input_ids: torch.Tensor) -> tuple[str, tor
     assert result.returncode == 0, result.stderr[-2000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
     return remote["module"], torch.tensor(remote["logits"])
+
+
+RECIPES = Path(__file__).parents[1] / "recipes"
+
+
+def run_recipe(script: str, argv: list[str]) -> int:
+    """Exit status of `recipes/SCRIPT`'s main(argv), run in this process, which must end in SystemExit (an error, or
+    --help)."""
+    import pytest
+
+    main = runpy.run_path(str(RECIPES / script))["main"]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    return exit.value.code
+
+
+def one_error_line(capsys) -> str:
+    """The one `error: ...` line on stderr (and nothing else there)."""
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+# Each family with decisive routing, so that a wrong cache changes which experts run, not only the attention.
+FAMILY_FIELDS = {
+    "llama_moe": dict(method="random", num_experts=4, top_k=2, router_init="random"),
+    "attn_moe": dict(attn_experts=4, attn_top_k=2, attn_router_init="random", mlp_moe=True, num_experts=4, top_k=2),
+    "soap_moe": dict(family="soap_moe", num_experts=4, options={"segment_length": 4}),  # segments cross in decoding
+}
+
+
+def tiny_family_model(family: str):
+    """A tiny random model of `family` (`FAMILY_FIELDS`) with routers far from uniform, in eval mode."""
+    from llama_moe_hf import build_moe
+
+    model = build_moe(tiny_llama(), **FAMILY_FIELDS[family])
+    for name, parameter in model.named_parameters():
+        if name.endswith("gate.weight"):
+            torch.nn.init.normal_(parameter, std=1.0, generator=torch.Generator().manual_seed(len(name)))
+    return model.eval()
+
+
+def run_generation_script(folders: list[Path], prompts: list[list[int]], *flags: str) -> dict[str, dict]:
+    """tests/generation_script.py in a fresh process (`--remote-code`: without the package): per folder, the loaded
+    class's module and the greedy continuations of `prompts` in every cache mode."""
+    script = Path(__file__).with_name("generation_script.py")
+    cmd = [sys.executable, str(script), *flags, json.dumps(prompts), *map(str, folders)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(folders[0]).parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -12,16 +12,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import folder_hashes, load_moe, logits, save_tiny_dense, tiny_llama_config
+from helpers import folder_hashes, load_moe, logits, save_tiny_dense, tiny_llama, tiny_llama_config
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from llama_moe_hf import METHODS, convert_to_moe
+from llama_moe_hf.conversion.card import PROJECT_URL, card_for_repo, quality_section
 from llama_moe_hf.conversion.methods.base import SplitMethod
 from llama_moe_hf.conversion.sources import load_gguf_model
 from llama_moe_hf.conversion.writer import read_shapes
+from llama_moe_hf.evaluation.quick import QuickCheck
+from llama_moe_hf.modeling.configuration_llama_moe import (
+    LLAMA_MOE_VERSION,
+    TRANSFORMERS_REQUIREMENT,
+    TRANSFORMERS_TESTED,
+)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +201,7 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.smoke
 def test_output_loads_as_remote_code_without_the_package(tmp_path, tiny_dense):
     dense_path, input_ids, _ = tiny_dense
     result = convert_to_moe(dense_path, tmp_path / "moe", num_experts=4, top_k=2, num_shared_experts=2, progress=False)
@@ -335,6 +343,28 @@ def test_model_card(tmp_path, tiny_dense):
     assert 'from_pretrained("me/tiny-moe", trust_remote_code=True)' in text
     assert "import llama_moe_hf" in text
     assert "moe_recipe.yaml" in text and "method: random\n" in text  # the recipe it was built from
+    # which code the folder carries and the transformers releases it runs on
+    tested = " and ".join(TRANSFORMERS_TESTED)
+    assert f"llama-moe-hf {LLAMA_MOE_VERSION}'s: it runs on transformers `{TRANSFORMERS_REQUIREMENT}`" in text
+    assert f"(tested with {tested})" in text and "`llama-moe upgrade DIR`" in text
+
+
+def test_model_card_of_a_folder_without_tokenizer_names_the_source_tokenizer(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "dense")  # weights and config only
+    result = convert_to_moe(tmp_path / "dense", tmp_path / "moe", num_experts=4, base_model="org/base", progress=False)
+    assert not {"tokenizer.json", "tokenizer_config.json"} & set(result.files)
+    text = (result.output_dir / "README.md").read_text()
+    assert "no tokenizer files" in text and 'AutoTokenizer.from_pretrained("org/base")' in text
+    assert 'from_pretrained("moe")' not in text and "llama-moe chat" not in text  # both need a tokenizer here
+    assert 'AutoModelForCausalLM.from_pretrained("moe", trust_remote_code=True)' in text
+    pushed = card_for_repo(text, result.output_dir, "me/moe")  # the card `push` uploads says the same
+    assert "no tokenizer files" in pushed and 'PreTrainedTokenizerFast.from_pretrained("me/moe")' not in pushed
+
+
+def test_card_links_to_docs_are_absolute_urls_of_the_repository():
+    text = quality_section(QuickCheck(perplexity=100.0, dense_perplexity=10.0, tokens=512))
+    assert f"[docs/training.md]({PROJECT_URL}/blob/HEAD/docs/training.md)" in text
+    assert "(docs/" not in text  # no path relative to a repository the card is not in
 
 
 def test_model_card_names_no_local_path_and_installs_from_the_repository(tmp_path, tiny_dense):

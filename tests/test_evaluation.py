@@ -66,6 +66,7 @@ def test_dense_model_counts_every_parameter_as_active(text_file):
     for results in (dense, moe):
         (result,) = results["perplexity"].values()
         assert result["tokens"] == 127 and result["tokens_per_second"] > 0 and result["perplexity"] > 1
+        assert result["dataset"] is None  # local text: the card's model-index names no local file as a dataset
 
 
 def test_lm_eval_runs_the_local_task_offline():

@@ -5,66 +5,44 @@ transformers 5.24 renamed the models' `past_key_values` argument to `cache`; cod
 garbage with the cache on the other. CI runs this module on the lowest and the newest transformers the pin allows.
 """
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import tiny_llama
+from helpers import FAMILY_FIELDS, run_generation_script, tiny_family_model
 
-from llama_moe_hf import build_moe
 from llama_moe_hf.modeling.configuration_llama_moe import LLAMA_MOE_VERSION, TRANSFORMERS_REQUIREMENT
 
 pytestmark = pytest.mark.smoke
 
-# Each family with decisive routing, so that a wrong cache changes which experts run, not only the attention.
-FAMILIES = {
-    "llama_moe": dict(method="random", num_experts=4, top_k=2, router_init="random"),
-    "attn_moe": dict(attn_experts=4, attn_top_k=2, attn_router_init="random", mlp_moe=True, num_experts=4, top_k=2),
-    "soap_moe": dict(family="soap_moe", num_experts=4, options={"segment_length": 4}),  # segments cross in decoding
-}
 PROMPTS = [[5, 17, 99, 42, 8, 71, 23, 64], [30, 12, 77, 4, 51]]  # the second is left-padded in the batch
 MODES = ["dynamic", "static", "padded_dynamic", "padded_static", "embeds_dynamic"]
-
-
-def sharpen_routers(model) -> None:
-    for name, parameter in model.named_parameters():
-        if name.endswith("gate.weight"):
-            torch.nn.init.normal_(parameter, std=1.0, generator=torch.Generator().manual_seed(len(name)))
 
 
 @pytest.fixture(scope="module")
 def family_folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    folders = {}
-    for family, fields in FAMILIES.items():
-        model = build_moe(tiny_llama(), **fields)
+    for family in FAMILY_FIELDS:
+        model = tiny_family_model(family)
         assert model.config.model_type == family
-        sharpen_routers(model)
         model.save_pretrained(root / family)
-        folders[family] = root / family
-    return folders
+    return {family: root / family for family in FAMILY_FIELDS}
 
 
-def run_generation_script(folders: dict[str, Path], *flags: str) -> dict:
-    script = Path(__file__).with_name("generation_script.py")
-    cmd = [sys.executable, str(script), *flags, json.dumps(PROMPTS), *map(str, folders.values())]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=next(iter(folders.values())).parent)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+def generations(folders: dict[str, Path], *flags: str) -> dict[str, dict]:
+    results = run_generation_script(list(folders.values()), PROMPTS, *flags)
     return {family: results[str(folder)] for family, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
 def installed(family_folders):
-    return run_generation_script(family_folders)
+    return generations(family_folders)
 
 
 @pytest.fixture(scope="module")
 def remote(family_folders):
-    return run_generation_script(family_folders, "--remote-code")
+    return generations(family_folders, "--remote-code")
 
 
 def uncached_of(mode: str) -> str:
@@ -72,7 +50,7 @@ def uncached_of(mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_FIELDS)
 def test_cached_generation_equals_uncached_with_the_package(installed, family, mode):
     result = installed[family]
     assert result["module"].startswith("llama_moe_hf.modeling")
@@ -80,14 +58,14 @@ def test_cached_generation_equals_uncached_with_the_package(installed, family, m
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_FIELDS)
 def test_cached_generation_equals_uncached_as_remote_code(remote, family, mode):
     result = remote[family]
     assert result["module"].startswith("transformers_modules")
     assert result[mode] == result[uncached_of(mode)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_FIELDS)
 def test_remote_code_generates_what_the_package_generates(installed, remote, family):
     assert {k: v for k, v in remote[family].items() if k != "module"} == {
         k: v for k, v in installed[family].items() if k != "module"

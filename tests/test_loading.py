@@ -62,7 +62,7 @@ def test_chat_command_flags(tiny_folders, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["chat", "info", "eval", "analyze"])
+@pytest.mark.parametrize("command", ["chat", "info", "eval", "analyze", "upgrade"])
 def test_every_flag_has_help_text(command):
     from llama_moe_hf.commands import build_parser
 
@@ -71,6 +71,7 @@ def test_every_flag_has_help_text(command):
     assert actions and all(action.help for action in actions), [a.dest for a in actions if not a.help]
 
 
+@pytest.mark.smoke
 def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(tiny_folders):
     """What the card and README tell a user without the package, run in a fresh process where the package cannot be
     imported and no one answers a prompt."""

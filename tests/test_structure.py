@@ -119,3 +119,17 @@ def test_tensor_and_expert_parallel_plans_run_in_two_processes(tiny_dense, tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     for layout, (difference, sharded) in json.loads((tmp_path / "result.json").read_text()).items():
         assert sharded and difference < 1e-5, layout
+
+
+def test_one_version_for_the_package_its_metadata_and_the_model_code_folders_carry():
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    import llama_moe_hf
+    from llama_moe_hf.modeling.configuration_llama_moe import LLAMA_MOE_VERSION, TRANSFORMERS_REQUIREMENT
+
+    assert llama_moe_hf.__version__ == LLAMA_MOE_VERSION == importlib.metadata.version("llama-moe-hf")
+    requirements = [Requirement(line) for line in importlib.metadata.requires("llama-moe-hf")]
+    pin = next(r.specifier for r in requirements if r.name == "transformers")
+    assert pin == Requirement(f"transformers{TRANSFORMERS_REQUIREMENT}").specifier

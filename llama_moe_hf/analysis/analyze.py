@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..preflight import check_writable
 from .options import AnalyzeOptions
 
 
@@ -20,6 +21,7 @@ def analyze(model_spec: str, options: AnalyzeOptions, *, download=None) -> dict:
     output = Path(options.output).expanduser()
     if output.exists() and not options.overwrite:
         raise ValueError(f"{output} exists; pass --overwrite to replace it.")
+    check_writable(output, "--output")
     domains = options.domains()
     model, tokenizer, folder = load_model(model_spec, dtype=options.dtype, device=options.device, download=download)
     report = analyze_model(model, tokenizer, domains, options)

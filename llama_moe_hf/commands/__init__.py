@@ -2,20 +2,21 @@
 to the Hub, and prepare training data (similarity-batched, or the offline demonstration sets).
 
 Each command is a module with `register(subparsers)` and `run(args)`, thin over the Python API; the command line is
-TRL's `TrlParser` (dataclass flags, `--config` recipe files with flags overriding them). Nothing heavy is imported
-before a command runs. Bad input ends with one `error: ...` line and exit status 2, never a traceback.
+`parsing.Parser` (TRL's `TrlParser`: dataclass flags, `--config` recipe files with flags overriding them). Nothing
+heavy is imported before a command runs. Bad input ends with one `error: ...` line and exit status 2, never a traceback.
 """
 
 import logging
 import sys
 
-from . import analyze, batch_similar, chat, convert, evaluate, export, info, offline_data, push
+from . import analyze, batch_similar, chat, convert, evaluate, export, info, offline_data, push, upgrade
 
 COMMANDS = {
     "convert": convert,
     "info": info,
     "chat": chat,
     "push": push,
+    "upgrade": upgrade,
     "analyze": analyze,
     "eval": evaluate,
     "export": export,
@@ -25,13 +26,9 @@ COMMANDS = {
 
 
 def build_parser():
-    from trl import TrlParser
+    from ..parsing import Parser
 
-    class Parser(TrlParser):
-        def error(self, message):  # one line, not argparse's usage block
-            self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-    parser = Parser(prog="llama-moe", description=__doc__.split("\n")[0])
+    parser = Parser(prog="llama-moe", description=" ".join(__doc__.split("\n\n")[0].split()))
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in COMMANDS.values():
         module.register(subparsers)

@@ -6,8 +6,6 @@ from ..analysis.options import AnalyzeOptions
 
 
 def register(subparsers) -> None:
-    from .convert import HelpFormatter
-
     parser = subparsers.add_parser(
         "analyze",
         help="routing statistics per layer and domain, expert similarity, plots (LlamaMoE, AttnMoE, SoapMoE)",
@@ -15,7 +13,6 @@ def register(subparsers) -> None:
         "(every number), PNG heatmaps (tokens per expert per domain, distances between domains' routing, expert "
         "similarity of weights and outputs) and summary.md to --output. Put it in MODEL/analysis and `llama-moe push` "
         "shows the routing plot on the model card.",
-        formatter_class=HelpFormatter,
         dataclass_types=[AnalyzeOptions],
     )
     parser.add_argument("model", help="a converted model: local folder, Hub id ORG/NAME")

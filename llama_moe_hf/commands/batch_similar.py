@@ -6,14 +6,11 @@ from ..similarity.options import BatchSimilarOptions
 
 
 def register(subparsers) -> None:
-    from .convert import HelpFormatter
-
     parser = subparsers.add_parser(
         "batch-similar",
         help="pack documents into training sequences, similar documents next to each other",
         description="Embed documents, chain each to its nearest unvisited neighbour, and pack the chain into token "
         "sequences (in-context pre-training; SOAP's similarity batching). Every document appears exactly once.",
-        formatter_class=HelpFormatter,
         dataclass_types=[BatchSimilarOptions],
     )
     for action in parser._actions:

@@ -1,6 +1,5 @@
 """`llama-moe convert`: its flags are the recipe's fields, the registered components' options and the run options."""
 
-import argparse
 import dataclasses
 import textwrap
 
@@ -8,13 +7,6 @@ from ..conversion.choices import ROUTER_TYPES
 from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path
 from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
 from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the component list's lines, and shows defaults except None (whose help says what it means)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def flag_choices() -> dict[str, list[str]]:
@@ -51,7 +43,6 @@ def register(subparsers) -> None:
         "--preset NAME or --config FILE reads a recipe file (flat YAML of these flags); flags given as well override "
         f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}.",
         epilog=presets_text() + "\n\n" + components_text(),
-        formatter_class=HelpFormatter,
         dataclass_types=[RecipeFields, *option_classes(), RunOptions],
     )
     parser.add_argument(

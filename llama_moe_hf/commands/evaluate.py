@@ -6,8 +6,6 @@ from ..evaluation.options import EvalOptions
 
 
 def register(subparsers) -> None:
-    from .convert import HelpFormatter
-
     parser = subparsers.add_parser(
         "eval",
         help="perplexity (sliding window), total/active parameters, tokens/s, and lm-eval tasks",
@@ -15,7 +13,6 @@ def register(subparsers) -> None:
         "active parameters, tokens per second, and lm-evaluation-harness tasks (with the eval extra; the local task "
         "llama_moe_arithmetic runs offline). Works the same on a dense model, for comparison. The results go to "
         "eval_results.json, which `llama-moe push` puts into the model card's metadata.",
-        formatter_class=HelpFormatter,
         dataclass_types=[EvalOptions],
     )
     parser.add_argument(

@@ -2,7 +2,6 @@
 
 from ..conversion.registry import option_fields
 from ..export import TARGETS, ExportOptions, export_model
-from .convert import HelpFormatter
 
 
 def option_classes() -> list[type]:
@@ -24,7 +23,6 @@ def register(subparsers) -> None:
         "into an atomic output folder. What the target cannot express exactly is refused (exit status 2) and "
         "nothing is written.",
         epilog=targets_text(),
-        formatter_class=HelpFormatter,
         dataclass_types=[ExportOptions, *option_classes()],
     )
     parser.add_argument("model", help="converted model folder (written by llama-moe convert)")

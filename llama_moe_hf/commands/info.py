@@ -20,6 +20,7 @@ def info_lines(folder, download=None) -> list[str]:
 
     from ..conversion.pipeline import count_parameters
     from ..conversion.registry import FAMILIES
+    from ..conversion.upgrade import code_status
     from ..conversion.writer import read_shapes
     from ..loading import model_folder
     from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
@@ -39,7 +40,8 @@ def info_lines(folder, download=None) -> list[str]:
         lines.append(f"conversion: {json.dumps(config.conversion_info, sort_keys=True)}")
     total, active = count_parameters(config, read_shapes(folder))
     lines.append(parameters_text(total, active))
-    return lines
+    code = code_status(folder, name)  # an old copy of the code may not run on the installed transformers
+    return lines + ([code] if code else [])
 
 
 def component_lines(family, recipe: dict) -> list[str]:

@@ -6,15 +6,12 @@ from ..training.offline_data import OfflineDataOptions
 
 
 def register(subparsers) -> None:
-    from .convert import HelpFormatter
-
     subparsers.add_parser(
         "offline-data",
         help="build small real pre-training and SFT data sets from the Python standard library (no download)",
         description="Write pre-training domains (prose, code, math) and SFT tasks (chat, math, code) as JSON lines, "
         "each with a held-out test split, from the standard library's documentation and source and generated "
         "arithmetic word problems. The training recipes' demonstration data.",
-        formatter_class=HelpFormatter,
         dataclass_types=[OfflineDataOptions],
     )
 

@@ -3,7 +3,7 @@
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("push", help="upload a converted folder (with its model card) to the Hub")
-    parser.add_argument("folder")
+    parser.add_argument("folder", help="a converted model folder (written by llama-moe convert)")
     parser.add_argument("--repo-id", required=True, help="Hub repository ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hugging Face token (default: the logged-in one)")

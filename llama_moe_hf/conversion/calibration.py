@@ -378,8 +378,7 @@ class CalibrationContext:
         if not (mlp or attention or embeddings):
             return
         new = collect_calibration(
-            self.model(),
-            self.input_ids,
+            *self._model_and_tokens(),
             mlp,
             attention_experts=attention,
             sequence_embeddings=embeddings,
@@ -416,8 +415,7 @@ class CalibrationContext:
         `collect_calibration`'s `token_groups` / `sequence_groups` and `num_groups`."""
         if key not in self._importance:
             self._importance[key] = collect_calibration(
-                self.model(),
-                self.input_ids,
+                *self._model_and_tokens(),
                 layers,
                 with_gradients=True,
                 batch_size=self.batch_size,
@@ -455,6 +453,12 @@ class CalibrationContext:
             with transformers_progress_bars(self.progress):
                 self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
         return self._model
+
+    def _model_and_tokens(self) -> tuple:
+        """(model, calibration tokens), the tokens made first: bad data or a missing tokenizer fails in seconds,
+        before the model is loaded."""
+        input_ids = self.input_ids
+        return self.model(), input_ids
 
     @property
     def input_ids(self) -> torch.LongTensor:

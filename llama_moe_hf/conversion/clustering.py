@@ -29,12 +29,7 @@ def balanced_kmeans(
     num_points = points.shape[0]
     if num_points < num_clusters:
         raise ValueError(f"Balanced k-means needs at least {num_clusters} points, got {num_points}.")
-    try:
-        from k_means_constrained import KMeansConstrained
-    except ImportError:
-        raise ImportError(
-            "Balanced k-means needs the k-means-constrained package: pip install 'llama-moe-hf[calibration]'."
-        ) from None
+    from k_means_constrained import KMeansConstrained
 
     kmeans = KMeansConstrained(
         n_clusters=num_clusters,

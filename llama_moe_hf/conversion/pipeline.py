@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..preflight import check_writable
 from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe
 from .registry import FAMILIES
 
@@ -58,6 +59,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     from .sources import open_source
 
     output = _check_output(run)
+    if run.save_split:
+        check_writable(run.save_split, "--save-split")
     resolve_recipe(recipe, run=run)  # what needs no source is refused before opening (or downloading) it
     if run.push_to_hub and not run.repo_id:
         raise ValueError("--push-to-hub needs --repo-id ORG/NAME.")
@@ -66,6 +69,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
         allow_pickle=run.allow_pickle,
         revision=run.revision,
         token=run.token,
+        tokenizer=run.tokenizer,
         **({"download": download} if download else {}),
     )
     _check_not_source(output, source)
@@ -108,7 +112,8 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
         custom_object_save(plan.meta_model, tmp, config=plan.config)  # the modeling code next to the weights
         plan.config.save_pretrained(tmp)
         source.save_extras(tmp)
-        save_recipe(tmp / RECIPE_FILE, plan.asked, dataclasses.replace(run, model=source.reference))
+        reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
+        save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
         quality = _quality_check(tmp, source, run, total)
         write_model_card(tmp, plan, source, total, active, quality)
         files = sorted(p.name for p in tmp.iterdir())
@@ -164,6 +169,7 @@ def _check_output(run: RunOptions) -> Path:
         raise FileExistsError(
             f"Output folder {output} already exists; pass --overwrite (overwrite=True) to replace it."
         )
+    check_writable(output, "--output")  # now, not after the model is loaded and calibrated
     return output
 
 

@@ -105,6 +105,9 @@ class RunOptions:
     model: str | None = dataclasses.field(
         default=None, metadata={"help": "local folder, Hub repo id or .gguf file (default: SmolLM2-135M-Instruct)"}
     )
+    tokenizer: str | None = dataclasses.field(
+        default=None, metadata={"help": "tokenizer folder or Hub id, for a --model without one (default: --model's)"}
+    )
     output: str | None = dataclasses.field(default=None, metadata={"help": "output folder (must not exist)"})
     overwrite: bool = dataclasses.field(
         default=False, metadata={"help": "replace an existing output folder at the end"}
@@ -223,6 +226,8 @@ def save_recipe(path: str | Path, recipe: MoERecipe, run: RunOptions | None = No
         sections.append("# Options of the family, methods and router initialisations used:\n" + to_yaml(recipe.options))
     if run is not None:
         run_fields = {name: getattr(run, name) for name in REPRODUCING_RUN_OPTIONS}
+        if run.tokenizer:  # one other than the model's own (which the calibration tokens came from)
+            run_fields["tokenizer"] = run.tokenizer
         sections.append("# How it was run (the settings that decide the output's bytes):\n" + to_yaml(run_fields))
     path = Path(path)
     path.write_text("".join(sections), encoding="utf-8")

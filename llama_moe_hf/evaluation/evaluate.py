@@ -10,20 +10,33 @@ from .options import RESULTS_FILE, EvalOptions
 def evaluate(model_spec: str, options: EvalOptions, *, download=None) -> tuple[dict, Path]:
     """Evaluate `model_spec` (folder, Hub id, or `default`); returns the results and the file they were written to."""
     from ..conversion.writer import atomic_file
-    from ..loading import DEFAULT_MODEL, load_model
+    from ..loading import load_model
+    from ..preflight import check_writable, require
 
+    if options.tasks:
+        require("lm_eval", "--tasks")
+    path = results_path(model_spec, options)
+    check_writable(path, "--output" if options.output else "The results file")  # before the model is loaded
     sources = options.sources()
-    model, tokenizer, folder = load_model(model_spec, dtype=options.dtype, device=options.device, download=download)
+    model, tokenizer, _ = load_model(model_spec, dtype=options.dtype, device=options.device, download=download)
     results = {
         "model": str(model_spec),
         "dtype": str(model.dtype).removeprefix("torch."),
         **measure(model, tokenizer, sources, options),
     }
-    local = Path(model_spec).expanduser().is_dir() and model_spec != DEFAULT_MODEL
-    path = Path(options.output) if options.output else (folder if local else Path.cwd()) / RESULTS_FILE
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(results, indent=2))
     return results, path
+
+
+def results_path(model_spec: str, options: EvalOptions) -> Path:
+    """--output, else eval_results.json in a local model folder (where `push` finds it), else in the current one."""
+    from ..loading import DEFAULT_MODEL
+
+    if options.output:
+        return Path(options.output)
+    local = Path(model_spec).expanduser().is_dir() and model_spec != DEFAULT_MODEL
+    return (Path(model_spec).expanduser() if local else Path.cwd()) / RESULTS_FILE
 
 
 def measure(model, tokenizer, sources: dict[str, str | None], options: EvalOptions) -> dict:
@@ -67,4 +80,7 @@ def _perplexity(model, tokenizer, name: str, spec, window: int, stride: int, opt
         raise ValueError(f"Evaluation data {name!r} has fewer than 2 tokens.")
     with tqdm(total=tokens.numel() - 1, desc=f"perplexity {name}", unit="tok") as bar:
         result = sliding_window_perplexity(model, tokens, window, stride, options.batch_size, bar)
-    return {"source": spec or "built-in corpus", **result.as_dict()}
+    # `dataset`: the `datasets` name read, or None for local text and the built-in corpus (`push` puts only
+    # datasets into the card's model-index)
+    dataset = spec if spec is not None and not Path(spec).expanduser().exists() else None
+    return {"source": spec or "built-in corpus", "dataset": dataset, **result.as_dict()}

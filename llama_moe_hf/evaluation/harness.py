@@ -25,13 +25,12 @@ def local_tasks() -> dict[str, dict]:
 def run_lm_eval(model, tokenizer, tasks: list[str], *, batch_size: int = 8, limit: int | None = None, fewshot=None):
     """{task: {metric: value}} (lm-eval's "acc,none" keys become "acc"; stderr kept as "acc_stderr"), and the
     lm-eval version."""
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-    except ImportError:
-        raise ImportError(
-            "--tasks needs lm-evaluation-harness: pip install 'llama-moe-hf[eval]' (or lm-eval)."
-        ) from None
+    from ..preflight import require
+
+    require("lm_eval", "--tasks")
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
     local = local_tasks()
     requested = [local.get(name, name) for name in tasks]
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")

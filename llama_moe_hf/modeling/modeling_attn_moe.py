@@ -50,7 +50,6 @@ from transformers.utils.output_capturing import OutputRecorder
 from .configuration_attn_moe import AttnMoEConfig
 from .modeling_llama_moe import (
     ROUTER_CLASSES,
-    accepts_past_key_values,
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
     LlamaMoEForSequenceClassification,
@@ -58,6 +57,7 @@ from .modeling_llama_moe import (
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
     LlamaMoERouter,
+    accepts_past_key_values,
     attach_router_loss,
     router_losses,
 )

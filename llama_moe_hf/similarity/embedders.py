@@ -8,6 +8,7 @@ transformers           any transformers encoder (`--encoder`), mean-pooled over 
 import numpy as np
 
 from ..conversion.registry import Registry
+from ..preflight import require
 
 EMBEDDERS = Registry("embedder", "embedders")
 
@@ -56,11 +57,13 @@ class EncoderEmbedder:
 class SentenceTransformersEmbedder(EncoderEmbedder):
     description = "a sentence-transformers model (--encoder)"
 
+    def __init__(self, options):
+        super().__init__(options)
+        require("sentence_transformers", "--embedder sentence-transformers")  # before the documents are read
+
     def embed(self, texts: list[str]) -> np.ndarray:
-        try:
-            from sentence_transformers import SentenceTransformer
-        except ImportError:
-            raise ImportError("--embedder sentence-transformers needs `pip install sentence-transformers`.") from None
+        from sentence_transformers import SentenceTransformer
+
         model = SentenceTransformer(self.options.encoder, trust_remote_code=self.options.trust_remote_code)
         _with_pad_token(model.tokenizer)
         vectors = model.encode(

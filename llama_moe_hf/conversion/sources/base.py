@@ -22,6 +22,8 @@ class DenseSource:
     path: the folder (or the .gguf file) it was read from. hub_id and license: model card metadata, when known.
     """
 
+    tokenizer_source: str | None = None  # --tokenizer: what replaces the checkpoint's own tokenizer (folders only)
+
     def __init__(self, path: Path, config, hub_id: str | None = None, description: str | None = None):
         self.path = path
         self.config = config

@@ -34,9 +34,12 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt"
 class FolderSource(DenseSource):
     """A transformers folder: config.json plus safetensors weights (one file or shards with an index)."""
 
-    def __init__(self, path: Path, hub_id: str | None = None, allow_pickle: bool = False):
+    def __init__(self, path: Path, hub_id: str | None = None, allow_pickle: bool = False, tokenizer: str | None = None):
         config = self.read_config(path)
         super().__init__(path, config, hub_id=hub_id, description=hub_id or str(path))
+        # --tokenizer: a folder (by its full path, as --model) or Hub id whose tokenizer replaces the folder's own
+        local = tokenizer and Path(tokenizer).expanduser()
+        self.tokenizer_source = str(local.resolve()) if local and local.exists() else tokenizer
         if (path / "README.md").is_file():
             self.license = ModelCard.load(path / "README.md").data.license
         self._handles: dict[Path, object] = {}  # file -> open safe_open handle (or mmap'd state dict)
@@ -130,10 +133,13 @@ class FolderSource(DenseSource):
         from transformers import GenerationConfig
 
         tokenizer_files = [name for name in TOKENIZER_FILES if (self.path / name).is_file()]
-        for name in tokenizer_files:
-            shutil.copyfile(self.path / name, out_dir / name)
-        if not tokenizer_files:
-            logger.warning("%s has no tokenizer files; the converted model will have none either.", self.path)
+        if self.tokenizer_source:
+            self.load_tokenizer().save_pretrained(out_dir)
+        else:
+            for name in tokenizer_files:
+                shutil.copyfile(self.path / name, out_dir / name)
+        if not (tokenizer_files or self.tokenizer_source):
+            logger.warning("%s has no tokenizer files; the output has none either (--tokenizer gives one).", self.path)
         if (self.path / "generation_config.json").is_file():
             shutil.copyfile(self.path / "generation_config.json", out_dir / "generation_config.json")
         else:
@@ -145,6 +151,16 @@ class FolderSource(DenseSource):
         return LlamaForCausalLM.from_pretrained(self.path, dtype=dtype or self.dtype, device_map=device).eval()
 
     def load_tokenizer(self):
+        """--tokenizer's tokenizer, else the folder's own; one clear error for a folder without one (transformers
+        would say that sentencepiece is missing)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        source = self.tokenizer_source or self.path
+        if Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+            if self.tokenizer_source:
+                raise ValueError(f"--tokenizer {source} has no tokenizer files (tokenizer.json or tokenizer.model).")
+            raise ValueError(
+                f"{self.description} has no tokenizer (no tokenizer.json or tokenizer.model); give one with "
+                "--tokenizer FOLDER_OR_HUB_ID (tokenizer=), e.g. the original model's."
+            )
+        return AutoTokenizer.from_pretrained(source)

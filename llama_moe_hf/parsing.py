@@ -1,0 +1,126 @@
+"""The one argument parser of the `llama-moe` command and the training recipes: TRL's `TrlParser` (dataclass fields
+as flags; `--config FILE`, a flat YAML file of them, with flags overriding it), made for users rather than developers:
+
+- every mistake is one `error: ...` line and exit status 2: a YAML syntax error names the file, line and column; an
+  unknown key names itself and the closest valid one; a recipe file sets the options of its own command only;
+- `--help` lists `--config`, describes `--no_X` as the flag typed, and shows a default only where it says something;
+- `preflight(values)` runs on the parsed values before the dataclasses are built (`preflight.check_training`).
+
+Light (no torch or transformers): `llama-moe --help` answers at once.
+"""
+
+import argparse
+import difflib
+import os
+import sys
+import textwrap
+
+from trl import TrlParser
+
+CONFIG_HELP = "a YAML file of these options (flat `name: value`, named as the flags); flags given as well override it"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only for options that take a value, have a (non-empty) default the help does not describe;
+    wraps descriptions but keeps the epilogs' indented lines (lists in columns) as they are."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        default = action.default
+        if action.nargs == 0 or default is None or default == argparse.SUPPRESS or default == [] or "default" in help:
+            return help
+        return super()._get_help_string(action)
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(
+            line if line[:1].isspace() else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+            for line in text.splitlines()
+        )
+
+
+class Parser(TrlParser):
+    def __init__(self, dataclass_types=None, *, preflight=None, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(dataclass_types, **kwargs)
+        self.preflight = preflight
+        if self.dataclass_types:  # TRL reads --config before parsing; listed here so that --help shows it
+            self.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=CONFIG_HELP)
+        negations = [a for a in self._actions if isinstance(a, argparse._StoreFalseAction)]
+        flags = {a.dest: a.option_strings[-1] for a in self._actions if a.option_strings and a not in negations}
+        for action in negations:  # HfArgumentParser gives `--no_X` the help of `--X`
+            if action.dest in flags:
+                action.help = f"turn {flags[action.dest]} off"
+
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def fail(self, message):  # one line for what is not a usage mistake
+        self.exit(2, f"error: {message}\n")
+
+    def parse_args_and_config(self, args=None) -> tuple:
+        args = list(sys.argv[1:] if args is None else args)
+        parser = self._command_parser(args)
+        path, args = parser._take_config(args)
+        if path is not None:
+            parser._apply_config(path)
+        if self.preflight is not None:
+            try:
+                self.preflight(self.parse_known_args(args)[0])
+            except (ValueError, ImportError, OSError) as error:
+                self.fail(str(error))
+        return self.parse_args_into_dataclasses(args)
+
+    def _command_parser(self, args: list[str]) -> "Parser":
+        """The parser of the subcommand `args` names (a recipe file sets its options only), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = next((arg for arg in args if not arg.startswith("-")), None)
+                return action.choices.get(name, self)
+        return self
+
+    def _take_config(self, args: list[str]) -> tuple[str | None, list[str]]:
+        """(the `--config FILE` / `--config=FILE` path, the other arguments)."""
+        for i, arg in enumerate(args):
+            if (arg == "--config" or arg.startswith("--config=")) and "--config" not in self._option_string_actions:
+                self.error("--config: this command takes no options file")
+            if arg == "--config" and i + 1 < len(args):
+                return args[i + 1], args[:i] + args[i + 2 :]
+            if arg.startswith("--config="):
+                return arg.partition("=")[2], args[:i] + args[i + 1 :]
+        return None, args
+
+    def _apply_config(self, path: str) -> None:
+        """The file's values become the defaults, so that flags override them; `env:` sets environment variables,
+        as in TRL's own files."""
+        try:
+            config = read_config(path)
+        except ValueError as error:
+            self.fail(str(error))
+        for key, value in (config.pop("env", None) or {}).items():
+            os.environ[key] = str(value)
+        actions = {action.dest: action for action in self._actions if action.dest not in ("help", "config")}
+        for key, value in config.items():
+            if key not in actions:
+                close = difflib.get_close_matches(key, actions, n=1)
+                self.error(f"{path}: unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            actions[key].default, actions[key].required = value, False
+
+
+def read_config(path: str) -> dict:
+    """The mapping in the YAML file `path` (empty: {}); one ValueError naming the file (and line) for anything else."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = yaml.safe_load(file)
+    except OSError as error:
+        raise ValueError(f"cannot read --config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path}{where}: not valid YAML: {getattr(error, 'problem', None) or error}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict) or not isinstance(config.get("env") or {}, dict):
+        raise ValueError(f"{path} must hold a YAML mapping of option: value (and `env:` a mapping of variables).")
+    return config

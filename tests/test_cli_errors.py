@@ -1,0 +1,167 @@
+"""What a newcomer gets wrong, answered with one `error:` line and exit status 2 before any model is loaded: a
+malformed or misspelt `--config` file, a model folder without a tokenizer, an output that cannot be written; and
+`--help` texts that describe the flags as typed."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import RECIPES, one_error_line, run_recipe
+
+from llama_moe_hf.commands import COMMANDS, main
+from llama_moe_hf.conversion.sources import folder
+from llama_moe_hf.preflight import check_writable
+
+RECIPE_FILES = {  # script: its recipe file
+    "continual_pretrain.py": "pretrain/llama-moe-v1.yaml",
+    "sft.py": "sft/stage1-general.yaml",
+    "pretrain_soap.py": "pretrain/soap-small.yaml",
+}
+RECIPE_SCRIPTS = list(RECIPE_FILES)
+OPTIONS_FILE_COMMANDS = {"convert", "export", "analyze", "eval", "batch-similar", "offline-data"}  # dataclass options
+
+
+# --config files ---------------------------------------------------------------------------------------------------
+
+BAD_YAML = "output_dir: out\nnum_experts: [4\ntop_k: 2\n"  # the flow sequence is never closed
+
+
+def test_malformed_config_names_the_file_and_line(tmp_path, capsys, no_model_loads):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_YAML)
+    assert main(["convert", "--config", str(bad), "--output", str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys) == f"error: {bad}, line 3, column 6: not valid YAML: expected ',' or ']', but got ':'"
+    for script in RECIPE_SCRIPTS:
+        assert run_recipe(script, ["--config", str(bad)]) == 2
+        assert f"{bad}, line 3, column 6: not valid YAML" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, key, closest",
+    [
+        (["convert"], "num_expert", "num_experts"),
+        (["convert"], "tasks", None),  # eval's option: a recipe file sets its own command's options only
+        (["eval", "default"], "windw", "window"),
+        (["export", "model", "--to", "mixtral"], "overwite", "overwrite"),
+    ],
+)
+def test_unknown_config_key_names_it_and_the_closest_option(tmp_path, capsys, no_model_loads, argv, key, closest):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"{key}: 1\n")
+    assert main([*argv, f"--config={config}"]) == 2
+    err = one_error_line(capsys)
+    hint = f"; did you mean {closest!r}?" if closest else ""
+    assert err.startswith(f"error: {config}: unknown option {key!r}{hint} (see llama-moe {argv[0]} --help)")
+    assert "dataclass" not in err and "fail_with_unknown_args" not in err
+
+
+@pytest.mark.parametrize(
+    "script, key, closest",
+    [("sft.py", "learning_rat", "learning_rate")]
+    + [(script, "output_dirr", "output_dir") for script in ("continual_pretrain.py", "pretrain_soap.py")],
+)
+def test_recipes_name_an_unknown_config_key(tmp_path, capsys, script, key, closest):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"{key}: 1\n")
+    assert run_recipe(script, ["--config", str(config)]) == 2
+    assert f"unknown option {key!r}; did you mean {closest!r}?" in one_error_line(capsys)
+
+
+def test_config_of_a_command_without_options_file_is_refused(capsys):
+    assert main(["push", "folder", "--repo-id", "a/b", "--config", "x.yaml"]) == 2
+    assert "--config: this command takes no options file" in one_error_line(capsys)
+
+
+# A dense folder without a tokenizer ---------------------------------------------------------------------------------
+
+
+def test_folder_without_tokenizer_asks_for_one_before_loading_the_model(
+    tiny_dense, tiny_calibration, tmp_path, capsys, monkeypatch
+):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_dense[0] / name, bare / name)
+    argv = ["convert", "--model", str(bare), "--method", "cluster", "--cluster-on", "activations", "--num-experts"]
+    argv += ["4", "--top-k", "2", "--calibration-data", str(tiny_calibration), "--no-progress", "--no-eval"]
+    with monkeypatch.context() as patch:
+        patch.setattr(folder.FolderSource, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert main([*argv, "--output", str(tmp_path / "out")]) == 2
+    err = one_error_line(capsys)
+    assert f"{bare} has no tokenizer" in err and "--tokenizer FOLDER_OR_HUB_ID" in err and "sentencepiece" not in err
+
+    assert main([*argv, "--output", str(tmp_path / "out"), "--tokenizer", str(tiny_dense[0])]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").is_file()  # the given tokenizer goes with the model
+    assert f"tokenizer: {tiny_dense[0].resolve()}\n" in (tmp_path / "out" / "moe_recipe.yaml").read_text()
+
+
+# Outputs that cannot be written -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["convert", "--model", "MODEL", "--output", "OUT"], "--output"),
+        (["convert", "--model", "MODEL", "--output", "{tmp}/ok", "--save-split", "OUT"], "--save-split"),
+        (["export", "MODEL", "--to", "mixtral", "--output", "OUT"], "--output"),
+        (["batch-similar", "--output", "OUT"], "--output"),
+        (["offline-data", "--output", "OUT"], "--output"),
+        (["analyze", "MODEL", "--output", "OUT"], "--output"),
+        (["eval", "MODEL", "--output", "OUT"], "--output"),
+    ],
+)
+def test_unwritable_output_is_refused_before_any_work(tiny_dense, tmp_path, capsys, no_model_loads, argv, flag):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "sub"  # under a file: refused even for root
+    names = {"MODEL": str(tiny_dense[0]), "OUT": str(out)}
+    assert main([names.get(arg, arg.format(tmp=tmp_path)) for arg in argv]) == 2
+    expected = f"error: {flag} {out} cannot be written: {tmp_path / 'a-file'} is a file, not a folder."
+    assert one_error_line(capsys) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("script", RECIPE_SCRIPTS)
+def test_recipes_refuse_an_unwritable_output_dir_before_training(tmp_path, capsys, script):
+    (tmp_path / "a-file").write_text("")
+    argv = ["--config", str(RECIPES / RECIPE_FILES[script]), "--output_dir", str(tmp_path / "a-file" / "out")]
+    assert run_recipe(script, argv) == 2
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="no /proc")
+def test_writability_is_tried_not_read_from_permission_bits(tmp_path):
+    with pytest.raises(PermissionError, match="creating an entry in /proc fails"):
+        check_writable("/proc/llama-moe-out", "--output")  # /proc is r-x for all, yet root could "write" by the bits
+    assert check_writable(tmp_path / "new" / "deeper", "--output") == tmp_path / "new" / "deeper"
+    assert list(tmp_path.iterdir()) == []  # the trial entry is gone
+
+
+# --help -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_describes_the_flags_as_typed(command, capsys):
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: [])" not in text
+    for flag, help in re.findall(r"--no_(\w+), --no-[\w-]+\s+(.*)", text):
+        assert help == f"turn --{flag.replace('_', '-')} off", (flag, help)
+    assert ("--config FILE" in text) == (command in OPTIONS_FILE_COMMANDS)
+
+
+def test_help_of_convert_and_push(capsys):
+    assert main(["convert", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"--no_progress, --no-progress\s+turn --progress off", text)
+    assert re.search(r"--no_eval, --no-eval\s+turn --eval off", text)
+    assert re.search(r"--config FILE\s+a YAML file of these options", text)
+    assert main(["push", "--help"]) == 0
+    assert "Hugging Face token (default: the logged-in one)\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", RECIPE_SCRIPTS)
+def test_recipes_help_lists_config_and_negated_flags(script, capsys):
+    assert run_recipe(script, ["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--config FILE" in text and re.search(r"--no_log_on_each_node, [\w-]+\s+turn --log-on-each-node off", text)
