@@ -41,6 +41,7 @@ setup(
         "datasets>=5.2",  # calibration and eval data by name, batch-similar's datasets output, the training recipes
         "pyarrow",  # .parquet documents, packed sequences
         "k-means-constrained>=0.9.1",  # convert: balanced k-means (--method cluster/residual, the presets)
+        "scipy",  # convert --method carve: balanced linear assignment (k-means-constrained needs it too)
         "scikit-learn",  # batch-similar: TF-IDF embedding and the exact neighbour search
         "matplotlib",  # analyze: the PNG plots
     ],

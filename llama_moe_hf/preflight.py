@@ -54,7 +54,7 @@ def check_writable(path, flag: str) -> Path:
 def check_training(values) -> None:
     """A training recipe's parsed values (argparse namespace of `TrainingArguments` fields): its output_dir can be
     written, and DeepSpeed is installed when a DeepSpeed config asks for it (building TrainingArguments without it
-    fails with an unrelated TypeError)."""
+    fails with an unrelated TypeError). Distilling recipes add their teacher's check (`training.distill`)."""
     if values.output_dir:
         check_writable(values.output_dir, "--output_dir")
     if values.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):

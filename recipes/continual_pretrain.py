@@ -6,6 +6,9 @@ One process (CPU, or one GPU):
 Dynamic sampling against the dense model's per-domain losses:
     python recipes/continual_pretrain.py --config recipes/pretrain/llama-moe-v1.yaml --sampling dynamic \
         --reference_model path/to/dense --model_name_or_path outputs/smollm2-moe --output_dir outputs/cpt-dynamic
+Distillation from the dense model the MoE was converted from (KL to its next-token distributions next to the LM loss):
+    python recipes/continual_pretrain.py --config recipes/pretrain/distill.yaml \
+        --model_name_or_path outputs/smollm2-moe --output_dir outputs/smollm2-moe-distill
 Several processes: `torchrun --nproc_per_node N recipes/continual_pretrain.py ...`, or
 `accelerate launch --config_file recipes/accelerate/<ddp|zero2|zero3|fsdp2>.yaml recipes/continual_pretrain.py ...`.
 
@@ -17,12 +20,12 @@ from transformers import TrainingArguments
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
 from llama_moe_hf.parsing import Parser
-from llama_moe_hf.preflight import check_training
+from llama_moe_hf.training.distill import check_training_and_teacher
 from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
 
 
 def main(argv=None):
-    parser = Parser((ContinualPretrainArguments, TrainingArguments), preflight=check_training)
+    parser = Parser((ContinualPretrainArguments, TrainingArguments), preflight=check_training_and_teacher)
     args, training = parser.parse_args_and_config(argv)
     return continual_pretrain(args, training)
 

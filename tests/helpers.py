@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
+from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, MoERecipe
+from llama_moe_hf.conversion.calibration import CalibrationContext
 from llama_moe_hf.conversion.families.base import dense_config_fields
+from llama_moe_hf.conversion.plan import ConversionPlan
 
 TINY_VOCAB = 128
 
@@ -103,6 +105,28 @@ def folder_hashes(folder: Path) -> dict[str, str]:
 
 def assert_same_logits(moe, dense, input_ids, atol: float = 1e-4) -> None:
     torch.testing.assert_close(logits(moe, input_ids), logits(dense, input_ids), atol=atol, rtol=1e-4)
+
+
+def assert_partition(split, intermediate_size: int):
+    """Every neuron in exactly one expert (routed or shared) of an `ExpertSplit`."""
+    parts = [split.expert_neurons.flatten()]
+    if split.shared_neurons is not None:
+        parts.append(split.shared_neurons)
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(intermediate_size))
+
+
+def calibrated_split(model, input_ids, **fields):
+    """The split and k-means centroids a recipe's method computes on `model` (the converter's plan and context)."""
+    plan = ConversionPlan.create(MoERecipe.from_dict(fields), model.config)
+    context = CalibrationContext(plan.recipe, lambda *_: model, input_ids=input_ids, batch_size=3, progress=False)
+    plan.prepare(context)
+    method, _ = plan.components["mlp"]
+    mlps = {i: model.model.layers[i].mlp for i in plan.targets["mlp"].layers}
+    dense = {
+        i: {f"{name}.weight": getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")}
+        for i, mlp in mlps.items()
+    }
+    return {i: method.split(i, dense[i], context) for i in mlps}, context
 
 
 class FakeHfApi:

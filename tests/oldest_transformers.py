@@ -1,7 +1,8 @@
 """The smoke tests (`pytest -m smoke`: generation with and without the cache in every family, remote code, export)
 on the lowest transformers release the pin allows, in a throwaway virtual environment that sees everything else
-installed for this interpreter (a virtual environment's packages too) behind its own transformers. The README's test command runs it after the whole suite, which runs on the release pip installed
-(the newest the pin allows): together they cover both ends of the range.
+installed for this interpreter (a virtual environment's packages too) behind its own transformers. The README's test
+command runs it after the whole suite, which runs on the release pip installed (the newest the pin allows): together
+they cover both ends of the range.
 
     python tests/oldest_transformers.py [pytest arguments]
 """

@@ -19,7 +19,7 @@ RECIPE_FILES = {  # script: its recipe file
     "pretrain_soap.py": "pretrain/soap-small.yaml",
 }
 RECIPE_SCRIPTS = list(RECIPE_FILES)
-OPTIONS_FILE_COMMANDS = {"convert", "export", "analyze", "eval", "batch-similar", "offline-data"}  # dataclass options
+OPTIONS_FILE_COMMANDS = {"convert", "export", "heal", "analyze", "eval", "batch-similar", "offline-data"}  # dataclass options
 
 
 # --config files ---------------------------------------------------------------------------------------------------

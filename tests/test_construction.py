@@ -3,23 +3,15 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_logits, load_moe, logits, tiny_llama
+from helpers import assert_partition, assert_same_logits, calibrated_split, load_moe, logits, tiny_llama
 
-from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
-from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf import build_moe, convert_to_moe
+from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
 from llama_moe_hf.conversion.clustering import balanced_kmeans, kmeans_router, sample_rows, split_cluster
 from llama_moe_hf.conversion.experts import ExpertSplit
 from llama_moe_hf.conversion.importance import assign_by_importance, split_sharing_inner, split_sharing_inter
 from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
-from llama_moe_hf.conversion.plan import ConversionPlan
 from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
-
-
-def assert_partition(split: ExpertSplit, intermediate_size: int):
-    parts = [split.expert_neurons.flatten()]
-    if split.shared_neurons is not None:
-        parts.append(split.shared_neurons)
-    assert torch.equal(torch.cat(parts).sort().values, torch.arange(intermediate_size))
 
 
 def planted_rows(num_groups=4, per_group=8, dim=16, seed=0):
@@ -238,20 +230,6 @@ def tiny():
     return model, input_ids
 
 
-def calibrated_split(model, input_ids, **fields):
-    """The split and k-means centroids a recipe's method computes on `model` (the converter's plan and context)."""
-    plan = ConversionPlan.create(MoERecipe.from_dict(fields), model.config)
-    context = CalibrationContext(plan.recipe, lambda *_: model, input_ids=input_ids, batch_size=3, progress=False)
-    plan.prepare(context)
-    method, _ = plan.components["mlp"]
-    mlps = {i: model.model.layers[i].mlp for i in plan.targets["mlp"].layers}
-    dense = {
-        i: {f"{name}.weight": getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")}
-        for i, mlp in mlps.items()
-    }
-    return {i: method.split(i, dense[i], context) for i in mlps}, context
-
-
 @pytest.mark.parametrize(
     "method, num_experts, num_shared",
     [("cluster", 4, 0), ("sharing-inter", 4, 0), ("sharing-inter", 3, 1), ("residual", 3, 1), ("residual", 4, 0)],
@@ -429,7 +407,7 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
 
 def test_converter_rejects_bad_calibrated_settings(tiny_dense, tiny_calibration, tmp_path):
     dense_path, _, _ = tiny_dense
-    with pytest.raises(ValueError, match="--save-split / --load-split work with the methods cluster"):
+    with pytest.raises(ValueError, match="--save-split / --load-split work with the methods carve, cluster"):
         convert_to_moe(dense_path, tmp_path / "a", method="random", save_split=str(tmp_path / "s.safetensors"))
     # Before the (missing) source is opened:
     with pytest.raises(ValueError, match="--selector-objective must be one of listwise, bce, got 'mse'"):

@@ -187,7 +187,10 @@ def test_defaults_are_resolved_without_changing_the_recipe_given():
     [
         (dict(method="nope"), "Unknown construction method 'nope'; choose one of"),
         (dict(method="attention_heads"), "builds attention experts, not mlp experts"),
-        (dict(router_init="fit"), "'fit' cannot start mlp routers; choose one of kmeans, random, selector, zero"),
+        (
+            dict(router_init="fit"),
+            "'fit' cannot start mlp routers; choose one of analytical, kmeans, random, selector, zero",
+        ),
         (dict(router_type="selector"), "A 'selector' router is made by router init selector, not 'random'"),
         (dict(router_init="selector", router_type="switch"), "makes a 'selector' router, not 'switch'"),
         (dict(method="upcycle", router_init="selector"), "needs a method that splits the FFN's neurons"),

@@ -464,21 +464,29 @@ class CalibrationContext:
     def input_ids(self) -> torch.LongTensor:
         """`[B, calibration_seq_len]` calibration tokens, made once from the recipe's calibration data."""
         if self._input_ids is None:
-            r = self.recipe
-            texts, self.data_description = load_calibration_texts(
-                r.calibration_data,
-                max_chars=16 * r.calibration_tokens,  # a streamed dataset stops early
-            )
-            if self._load_tokenizer is None:
-                raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
-            self._input_ids = tokenize_calibration(
-                texts, self._load_tokenizer(), r.calibration_tokens, r.calibration_seq_len
-            )
-            num_sequences, seq_len = self._input_ids.shape
-            logger.info(
-                "Calibration data: %s -> %d sequences of %d tokens.", self.data_description, num_sequences, seq_len
-            )
+            self._input_ids = self._tokenize(self.recipe.calibration_tokens)
         return self._input_ids
+
+    def tokens(self, num_tokens: int) -> torch.LongTensor:
+        """The first `num_tokens` calibration tokens as `[B, calibration_seq_len]` (healing may train on more or
+        fewer tokens than the statistics use); given token ids are used as they are."""
+        seq_len = self.recipe.calibration_seq_len
+        if self.data_description == "given token ids" or num_tokens <= self.recipe.calibration_tokens:
+            return self.input_ids[: max(1, num_tokens // seq_len)]
+        return self._tokenize(num_tokens)
+
+    def _tokenize(self, num_tokens: int) -> torch.LongTensor:
+        r = self.recipe
+        texts, self.data_description = load_calibration_texts(
+            r.calibration_data,
+            max_chars=16 * num_tokens,  # a streamed dataset stops early
+        )
+        if self._load_tokenizer is None:
+            raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
+        input_ids = tokenize_calibration(texts, self._load_tokenizer(), num_tokens, r.calibration_seq_len)
+        num_sequences, seq_len = input_ids.shape
+        logger.info("Calibration data: %s -> %d sequences of %d tokens.", self.data_description, num_sequences, seq_len)
+        return input_ids
 
     @property
     def used(self) -> bool:

@@ -17,10 +17,12 @@ class ExpertSplit:
 
     expert_neurons: `[E, m]`, row e = the neurons of routed expert e.
     shared_neurons: `[S * s]` neurons of the shared experts (fused into one always-on MLP), or None.
+    representatives: `[E]` one neuron of each routed expert that stands for it (CMoE's analytical router), or None.
     """
 
     expert_neurons: torch.Tensor
     shared_neurons: torch.Tensor | None = None
+    representatives: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:

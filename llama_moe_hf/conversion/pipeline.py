@@ -10,6 +10,7 @@ A failed or interrupted conversion leaves nothing behind and never touches its s
 
 import dataclasses
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     context.release()  # the write streams: about one decoder layer in memory
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
     result = _write(plan, source, context, output)
+    if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
+        shutil.rmtree(plan.heal_state_dir, ignore_errors=True)
     if run.push_to_hub:
         from .hub import push_folder
 

@@ -35,6 +35,8 @@ def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None 
     options = {**family.default_options(), **recipe.options}
     recipe = dataclasses.replace(recipe, family=family.name, options=options)
     family.check(recipe)
+    if recipe.heal_tokens and not family.heals:
+        raise ValueError(f"--heal-tokens does not apply to the {family.name} family (no top-k MoE MLPs to heal).")
     recipe = family.resolve(recipe, dense_config)
     for kind in family.target_kinds(recipe):
         recipe = _resolve_target(recipe, family, kind, run)
@@ -79,8 +81,26 @@ def _check_numbers(recipe: MoERecipe, run: RunOptions | None) -> None:
             f"({recipe.calibration_seq_len} tokens)."
         )
     layer_terms(recipe.moe_layers)
+    _check_healing(recipe)
     if run is not None and run.calibration_batch_size < 1:
         raise ValueError(f"--calibration-batch-size must be at least 1, got {run.calibration_batch_size}.")
+
+
+def _check_healing(recipe: MoERecipe) -> None:
+    if recipe.heal_tokens < 0:
+        raise ValueError(f"--heal-tokens must be >= 0, got {recipe.heal_tokens}.")
+    if not recipe.heal_tokens:
+        return
+    if 0 < recipe.heal_tokens < recipe.calibration_seq_len:
+        raise ValueError(
+            f"--heal-tokens ({recipe.heal_tokens}) must be at least one calibration sequence "
+            f"({recipe.calibration_seq_len} tokens)."
+        )
+    for name in ("heal_epochs", "heal_batch_tokens"):
+        if getattr(recipe, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
+    if recipe.heal_lr <= 0 or recipe.heal_routing_weight < 0:
+        raise ValueError("--heal-lr must be > 0 and --heal-routing-weight >= 0.")
 
 
 def _get(recipe: MoERecipe, field: str | None):
@@ -144,6 +164,12 @@ def _check_router(router, router_type: str, method, kind: str) -> None:
     if router.needs_neuron_split and not method.neuron_split:
         raise ValueError(
             f"Router init {router.name!r} needs a method that splits the FFN's neurons, not {method.name!r}."
+        )
+    if router.needs_representatives and not method.representative_neurons:
+        usable = [name for name, m in METHODS.items() if m.representative_neurons]
+        raise ValueError(
+            f"Router init {router.name!r} needs a method that picks representative neurons ({', '.join(usable)}), "
+            f"not {method.name!r}."
         )
 
 
@@ -210,6 +236,7 @@ class ConversionPlan:
     expected: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
     asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
+    healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
 
     @classmethod
     def create(cls, recipe: MoERecipe, dense_config, run: RunOptions | None = None) -> "ConversionPlan":
@@ -223,6 +250,7 @@ class ConversionPlan:
         family = FAMILIES[recipe.family]()
         targets = {kind: _target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
         plan = cls(recipe, run, family, dense_config, targets, asked=recipe_as_asked(asked, recipe))
+
         plan.components = {
             kind: (
                 METHODS[t.method](recipe, t, dense_config, run),
@@ -259,18 +287,58 @@ class ConversionPlan:
         """(name, tensor) of the whole output checkpoint, one decoder layer at a time, checked against the plan."""
         from tqdm.auto import tqdm
 
-        yield self._checked("model.embed_tokens.weight", source.tensor("model.embed_tokens.weight"))
+        embeddings = source.tensor("model.embed_tokens.weight")
+        yield self._checked("model.embed_tokens.weight", embeddings)
+        self.healer = self._healer(embeddings, context) if self.recipe.heal_tokens else None
         layers = range(self.config.num_hidden_layers)
-        for layer_idx in tqdm(layers, desc="Converting layers", unit="layer", disable=not progress):
+        what = "Converting and healing layers" if self.healer else "Converting layers"
+        for layer_idx in tqdm(layers, desc=what, unit="layer", disable=not progress):
             prefix = f"model.layers.{layer_idx}."
             dense = {name[len(prefix) :]: source.tensor(name) for name in source.layer_names(layer_idx)}
-            for name, tensor in self.layer_tensors(layer_idx, dense, context).items():
+            tensors = self.layer_tensors(layer_idx, dense, context)
+            if self.healer is not None:
+                tensors = self.healer.heal(layer_idx, tensors, dense)
+            for name, tensor in tensors.items():
                 yield self._checked(prefix + name, tensor)
         yield self._checked("model.norm.weight", source.tensor("model.norm.weight"))
         if not self.config.tie_word_embeddings:
             yield self._checked("lm_head.weight", source.tensor("lm_head.weight"))
         for method, router in self.components.values():
             method.finish(context)
+
+    def _healer(self, embeddings, context):
+        """The `LayerHealer` of this write: the heal tokens of the calibration data, on the run's device (else CUDA
+        when available), resuming from `heal_state_dir` when an interrupted run left it."""
+        import torch
+
+        from .healing import HealSettings, LayerHealer
+
+        r = self.recipe
+        settings = HealSettings(
+            r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed
+        )
+        device = self.run.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        backbone = self.meta_model.model
+        return LayerHealer(
+            settings,
+            self.config,
+            type(backbone.layers[0]),
+            type(backbone.rotary_emb),
+            embeddings,
+            context.tokens(r.heal_tokens),
+            device,
+            state_dir=self.heal_state_dir,
+        )
+
+    @property
+    def heal_state_dir(self):
+        """Where healing keeps its per-layer progress until the output is written: beside the output, hidden."""
+        from pathlib import Path
+
+        if not (self.recipe.heal_tokens and self.run.output):
+            return None
+        output = Path(self.run.output).expanduser().resolve()
+        return output.with_name(f".{output.name}.healing")
 
     def layer_tensors(self, layer_idx: int, dense: dict, context) -> dict:
         """One decoder layer's output tensors (keyed under the layer) from its dense tensors."""
@@ -318,6 +386,8 @@ class ConversionPlan:
         for method, router in self.components.values():
             info.update(method.info())
             info.update(router.info())
+        if self.healer is not None:
+            info.update(self.healer.info())
         return info
 
 

@@ -69,6 +69,20 @@ class RecipeFields:
             "samples x hidden x 4 bytes x layers"
         },
     )
+    heal_tokens: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "heal each MoE MLP after it is built: train it on this many calibration tokens to reproduce the "
+            "dense MLP's output on the converted earlier layers' states (0: no healing; docs/construction.md)"
+        },
+    )
+    heal_epochs: int = dataclasses.field(default=4, metadata={"help": "healing: passes over the heal tokens"})
+    heal_lr: float = dataclasses.field(default=1e-3, metadata={"help": "healing: Adam learning rate"})
+    heal_batch_tokens: int = dataclasses.field(default=512, metadata={"help": "healing: tokens per step"})
+    heal_routing_weight: float = dataclasses.field(
+        default=0.1,
+        metadata={"help": "healing: weight of the term that ranks the router's experts by what leaving them out costs"},
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Split files: the neuron indices (and k-means routers) of a calibrated conversion, saved to be reused.
 
-Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 (when present),
-`layers.{i}.router` `[E, H]` float32 (when present). Metadata: `format` plus the writer's strings.
+Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 and
+`layers.{i}.representatives` `[E]` int64 (when present), `layers.{i}.router` `[E, H]` float32 (when present).
+Metadata: `format` plus the writer's strings.
 """
 
 import re
@@ -15,6 +16,7 @@ from .experts import ExpertSplit
 from .writer import atomic_file
 
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
+SPLIT_FIELDS = ("expert_neurons", "shared_neurons", "representatives")  # the ExpertSplit fields, all int64
 
 
 def save_splits(
@@ -25,21 +27,22 @@ def save_splits(
 ) -> None:
     """Write neuron indices (and router weights) per layer to a safetensors file, atomically.
 
-    Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 (when present),
-    `layers.{i}.router` `[E, H]` float32 (when given). Metadata: `format` plus the caller's strings.
+    Keys: `layers.{i}.expert_neurons` `[E, m]` int64, `layers.{i}.shared_neurons` `[S*s]` int64 and
+    `layers.{i}.representatives` `[E]` int64 (when present), `layers.{i}.router` `[E, H]` float32 (when given).
+    Metadata: `format` plus the caller's strings.
     """
     tensors = {}
     for layer, split in splits.items():
-        tensors[f"layers.{layer}.expert_neurons"] = split.expert_neurons.long().contiguous()
-        if split.shared_neurons is not None:
-            tensors[f"layers.{layer}.shared_neurons"] = split.shared_neurons.long().contiguous()
+        for key in SPLIT_FIELDS:
+            if getattr(split, key) is not None:
+                tensors[f"layers.{layer}.{key}"] = getattr(split, key).long().contiguous()
     for layer, router in (routers or {}).items():
         tensors[f"layers.{layer}.router"] = router.detach().float().cpu().contiguous()
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": SPLIT_FILE_FORMAT, **(metadata or {})})
 
 
-_SPLIT_KEY = re.compile(r"layers\.(\d+)\.(expert_neurons|shared_neurons|router)")
+_SPLIT_KEY = re.compile(rf"layers\.(\d+)\.({'|'.join(SPLIT_FIELDS)}|router)")
 
 
 def load_splits(path: str | Path) -> tuple[dict[int, ExpertSplit], dict[int, torch.Tensor], dict[str, str]]:
@@ -64,7 +67,7 @@ def load_splits(path: str | Path) -> tuple[dict[int, ExpertSplit], dict[int, tor
     splits, routers = {}, {}
     for layer, entry in sorted(fields.items()):
         if "expert_neurons" in entry:
-            splits[layer] = ExpertSplit(entry["expert_neurons"].long(), entry.get("shared_neurons"))
+            splits[layer] = ExpertSplit(**{key: entry[key].long() for key in SPLIT_FIELDS if key in entry})
         if "router" in entry:
             routers[layer] = entry["router"]
     return splits, routers, metadata
@@ -81,3 +84,8 @@ def check_loaded_split(split: ExpertSplit, layer: int, intermediate_size: int, n
     used = [split.expert_neurons] + ([split.shared_neurons] if split.shared_neurons is not None else [])
     if any(int(t.min()) < 0 or int(t.max()) >= intermediate_size for t in used):
         raise ValueError(f"Layer {layer} of the split file has neuron indices outside 0..{intermediate_size - 1}.")
+    representatives = split.representatives
+    if representatives is not None and (
+        representatives.shape != (num_experts,) or not (split.expert_neurons == representatives[:, None]).any(1).all()
+    ):
+        raise ValueError(f"Layer {layer} of the split file has representatives that are not one neuron per expert.")

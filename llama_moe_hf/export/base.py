@@ -51,6 +51,13 @@ REFUSED_FAMILIES = {
     "soap_moe": "it is a SoapMoE model: it merges its experts' weights once per segment of tokens (segment "
     "routing), which token-choice top-k MoE layers cannot express",
 }
+# Routers with no exact counterpart in any target, and why.
+REFUSED_ROUTERS = {
+    "selector": "MoEfication's selector scores experts with a tanh MLP and weights every chosen expert 1, where the "
+    "targets' routers weight them by a softmax of linear logits",
+    "analytical": "CMoE's router scores experts by a SwiGLU activation, |silu(x . g) * (x . u)|, and weights every "
+    "chosen expert 1 (at conversion), where the targets' routers weight them by a softmax of linear logits",
+}
 # Routers that compute exactly top-k softmax routing at inference, and why.
 INFERENCE_TOP_K = {
     "noisy_top_k": "router_type 'noisy_top_k' is exported as its inference routing, softmax top-k: its learned "
@@ -100,10 +107,9 @@ def check_llama_moe(config) -> list[str]:
         raise ValueError(f"Cannot export this model exactly: {REFUSED_FAMILIES[config.model_type]}.")
     if config.model_type != "llama_moe":
         raise ValueError(f"This is a {config.model_type!r} model, not a converted LlamaMoE checkpoint (llama_moe).")
-    if config.router_type == "selector":
+    if config.router_type in REFUSED_ROUTERS:
         raise ValueError(
-            "Cannot export router_type 'selector' exactly: MoEfication's selector scores experts with a tanh MLP and "
-            "weights every chosen expert 1, where the targets' routers weight them by a softmax of linear logits."
+            f"Cannot export router_type {config.router_type!r} exactly: {REFUSED_ROUTERS[config.router_type]}."
         )
     if config.attention_bias or config.mlp_bias:
         raise ValueError(

@@ -1,30 +1,4 @@
-"""A converted model folder as an export source: read one tensor at a time, memory-mapped, like a dense source."""
-
-from pathlib import Path
-
-from ..conversion.sources.folder import FolderSource
-
-
-class ConvertedCheckpoint(FolderSource):
-    """A converted checkpoint folder (any family of this package): its config, and `FolderSource`'s streaming reads
-    of the safetensors, tokenizer files and generation config."""
-
-    @staticmethod
-    def read_config(path: Path):
-        from transformers import AutoConfig
-
-        from .. import modeling  # noqa: F401  (registers the families: no remote code is run)
-
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a model folder (no config.json).")
-        return AutoConfig.from_pretrained(path)
-
-
-def open_checkpoint(folder) -> ConvertedCheckpoint:
-    path = Path(folder).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a converted model folder.")
-    return ConvertedCheckpoint(path)
+"""What export checks of a converted checkpoint (read by `conversion.sources.converted.open_checkpoint`)."""
 
 
 def check_compensation(checkpoint) -> list[str]:

@@ -88,8 +88,9 @@ def export_model(
 
     from ..conversion.pipeline import _check_not_source, _check_output
     from ..conversion.registry import option_names
+    from ..conversion.sources.converted import open_checkpoint
     from ..conversion.writer import atomic_folder
-    from .checkpoint import check_compensation, open_checkpoint
+    from .checkpoint import check_compensation
 
     target_class = TARGETS[to]
     unknown = sorted(set(options) - option_names(target_class))

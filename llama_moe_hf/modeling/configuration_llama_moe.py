@@ -23,7 +23,7 @@ if transformers.__version__ not in SpecifierSet(TRANSFORMERS_REQUIREMENT, prerel
         f"found {transformers.__version__}: pip install 'transformers{TRANSFORMERS_REQUIREMENT}'"
     )
 
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice")
+ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "analytical")
 
 
 @strict
@@ -58,6 +58,11 @@ class LlamaMoEConfig(LlamaConfig):
               most T, the tokens of the forward); a token gets 0 to E experts. A token's routing then depends on the
               other tokens of the batch, later ones included, so it cannot decode one token at a time: outside
               training (`model.eval()`, hence `generate`) the same logits route token-choice like `"top_k"`.
+            - `"analytical"`: CMoE's analytical router: expert e scores `|silu(x . g_e) * (x . u_e)|`, its
+              representative neuron's activation (`mlp.gate.gate_weight`, `mlp.gate.weight`: the neuron's normalised
+              gate and up rows); the top-k of `softmax(scores) + mlp.gate.e_score_correction_bias` (a load-balancing
+              buffer, 0 at conversion) win, each weighted `1 + softmax(scores)_e * mlp.gate.weight_scale_e` (0 at
+              conversion: unit weights).
         expert_capacity_factor (`float`, defaults to 1.0): capacity factor of `"expert_choice"` routing; 1.0 gives
             each expert an equal share of the `T * num_experts_per_tok` (token, expert) pairs.
         moe_compensation (`bool`, defaults to False): G-MoEfication's representative values. Each MoE layer keeps

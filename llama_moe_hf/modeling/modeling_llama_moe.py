@@ -228,6 +228,31 @@ class LlamaMoESelectorRouter(LlamaMoERouter):
         return router_logits, probs - probs.detach() + 1, top_k_index
 
 
+class LlamaMoEAnalyticalRouter(LlamaMoERouter):
+    """CMoE's analytical router: expert e scores `|silu(x . gate_weight_e) * (x . weight_e)|`, the activation of its
+    representative neuron; the top-k of `softmax(scores) + e_score_correction_bias` win (the bias, a buffer, only
+    balances the choice), each weighted `1 + softmax(scores)_e * weight_scale_e`: 1 at conversion (scale 0), and the
+    path by which fine-tuning reaches the router."""
+
+    def __init__(self, config, num_experts=None, top_k=None):
+        super().__init__(config, num_experts, top_k)
+        self.gate_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        self.weight_scale = nn.Parameter(torch.zeros(self.num_experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+
+    def logits(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
+        gate = F.silu(F.linear(hidden_states, self.gate_weight.float()))
+        return (gate * F.linear(hidden_states, self.weight.float())).abs()
+
+    def forward(self, hidden_states):
+        router_logits = self.logits(hidden_states)  # [T, E]
+        probs = F.softmax(router_logits, dim=-1)
+        top_k_index = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+        weights = 1 + probs.gather(1, top_k_index) * self.weight_scale.float()[top_k_index]
+        return router_logits, weights, top_k_index
+
+
 class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
     """Expert choice (Zhou et al., 2022) in training: softmax over the experts per token, then expert e takes the C
     tokens with the highest probability for it, weighted by that probability; returns (router_logits [T, E],
@@ -263,6 +288,7 @@ ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
     "noisy_top_k": LlamaMoENoisyTopKRouter,
     "selector": LlamaMoESelectorRouter,
     "expert_choice": LlamaMoEExpertChoiceRouter,
+    "analytical": LlamaMoEAnalyticalRouter,
 }
 
 
@@ -613,6 +639,10 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
                 nn.init.zeros_(module.noise_weight)
             if isinstance(module, LlamaMoESelectorRouter):
                 nn.init.zeros_(module.bias)
+            if isinstance(module, LlamaMoEAnalyticalRouter):
+                nn.init.normal_(module.gate_weight, mean=0.0, std=std)
+                nn.init.zeros_(module.weight_scale)
+                nn.init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, LlamaMoESparseMoeBlock) and module.compensation is not None:
             nn.init.zeros_(module.compensation)
 

@@ -2,7 +2,9 @@
 training history of every stage so far, and a model card that states it; written atomically.
 
 `training_history.json` lists one record per stage (recipe, data, steps, tokens, schedule, results). A stage that
-starts from a checkpoint with a history extends it, so the card of stage 2 states stage 1 as well.
+starts from a checkpoint with a history extends it, so the card of stage 2 states stage 1 as well. The conversion
+recipe (`moe_recipe.yaml`) is carried forward too: the card's origin section names it, and it records the dense
+source, the default distillation teacher.
 """
 
 import json
@@ -39,6 +41,7 @@ def save_complete_checkpoint(trainer, tokenizer, output_dir: str, source: str, r
     Every process calls this: sharded models gather their weights in `save_model`, into a staging folder all ranks
     name alike. The main process then builds the final folder in `atomic_folder`'s temporary sibling and swaps it in.
     The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step."""
+    from ..conversion.recipe import RECIPE_FILE
     from ..conversion.writer import atomic_folder, normal_permissions
 
     output = Path(output_dir).resolve()
@@ -55,6 +58,8 @@ def save_complete_checkpoint(trainer, tokenizer, output_dir: str, source: str, r
                     if entry.name != "training_args.bin":  # a pickle; the history records the arguments
                         entry.rename(tmp / entry.name)
                 tokenizer.save_pretrained(tmp)
+                if (Path(source) / RECIPE_FILE).is_file():
+                    shutil.copyfile(Path(source) / RECIPE_FILE, tmp / RECIPE_FILE)
                 history = read_history(source) + [record]
                 (tmp / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
                 (tmp / LOG_FILE).write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
@@ -86,6 +91,9 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
     )
     rows = "\n".join(_stage_row(i + 1, stage) for i, stage in enumerate(history))
     results = "\n".join(_results(i + 1, stage) for i, stage in enumerate(history) if stage.get("results"))
+    distilled = [
+        _distillation(i + 1, stage["distillation"]) for i, stage in enumerate(history) if stage.get("distillation")
+    ]
     body = f"""
 # {name}
 
@@ -97,7 +105,7 @@ after conversion. The full record of every stage is `{HISTORY_FILE}` in this rep
 | Stage | Recipe | Data | Steps | Tokens / examples | Learning rate | Processes |
 |---|---|---|---|---|---|---|
 {rows}
-
+{"".join(distilled)}
 {results}
 
 {usage_section(name)}
@@ -130,6 +138,11 @@ def _stage_row(number: int, stage: dict) -> str:
     return (
         f"| {number} | {stage['recipe']} | {data} | {stage['steps']} | {amount} | {schedule} | {stage['world_size']} |"
     )
+
+
+def _distillation(number: int, settings: dict) -> str:
+    details = ", ".join(f"{name} {value}" for name, value in settings.items() if name != "teacher")
+    return f"\nStage {number} distilled from `{settings['teacher']}` ({details}).\n"
 
 
 def _results(number: int, stage: dict) -> str:

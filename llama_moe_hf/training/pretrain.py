@@ -4,6 +4,8 @@ Packed causal-LM blocks from each domain, each block's domain drawn by the sampl
 preset) or dynamic (Sheared-LLaMA's dynamic batch loading against per-domain reference losses). The router
 load-balancing loss is on (`router_aux_loss_coef`, 0.01 as in the paper). Held-out perplexity per domain is evaluated
 on the trainer's schedule (`eval_strategy`), logged with the domain weights, and stated in the checkpoint's card.
+With `distill_alpha` (or `distill_hidden_weight`) above 0 the student also learns from a teacher, by default the dense
+model it was converted from (`distill.py` has the loss).
 """
 
 import logging
@@ -14,6 +16,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
+from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
     DomainMixture,
@@ -53,11 +56,38 @@ class ContinualPretrainArguments:
     seq_len: int = field(default=1024, metadata={"help": "tokens per training block"})
     text_column: str | None = field(default=None, metadata={"help": "text field of JSON/parquet rows"})
     router_aux_loss_coef: float = field(default=0.01, metadata={"help": "weight of the load-balancing loss"})
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "distillation teacher: folder, Hub id or .gguf (default: the dense model the student was "
+            "converted from, as its moe_recipe.yaml records it; none: no distillation)"
+        },
+    )
+    distill_alpha: float = field(
+        default=0.0,
+        metadata={"help": "weight of the KL term: (1 - alpha) * LM + alpha * T^2 * KL + router loss (0: no teacher)"},
+    )
+    distill_temperature: float = field(default=1.0, metadata={"help": "softmax temperature T of the KL term"})
+    distill_top_k: int | None = field(
+        default=None,
+        metadata={"help": "KL over the teacher's top k tokens plus one bucket for the rest (default: all tokens)"},
+    )
+    distill_hidden_layers: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "hidden states matched with the teacher's: 0 the embeddings, i layer i's output, -1 the last"
+        },
+    )
+    distill_hidden_weight: float = field(default=0.0, metadata={"help": "weight of the hidden-state distance"})
+    distill_hidden_loss: str = field(
+        default="cosine", metadata={"help": "hidden-state distance", "choices": list(HIDDEN_LOSSES)}
+    )
 
 
-class MixtureTrainer(Trainer):
+class MixtureTrainer(DistillationMixin, Trainer):
     """Logs the domain weights (and the held-out losses behind a dynamic update) with the training loss, and
-    evaluates the language-model loss alone (no router loss in the held-out perplexity)."""
+    evaluates the language-model loss alone (no router loss in the held-out perplexity); distils from a teacher
+    when given a `distiller`."""
 
     def __init__(self, *args, mixture: DomainMixture, sampling: DynamicDomainSampling | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,6 +113,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check(args, training)
+    teacher = _teacher(args, training)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     domains = load_domains(args, tokenizer)
     names = [domain.name for domain in domains]
@@ -102,26 +133,73 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
         mixture=mixture,
         sampling=sampling,
         callbacks=[sampling] if sampling else None,
+        distiller=_distiller(args, teacher, training.device) if teacher else None,
     )
     trainer.train()
     results = _results(trainer.evaluate(), names)
     if output_router_logits is not None:  # as loaded: inference does not need router logits
         model.config.output_router_logits = output_router_logits
+    record = _stage(trainer, args, mixture, results, teacher)
+    output = save_complete_checkpoint(trainer, tokenizer, training.output_dir, args.model_name_or_path, record)
+    return TrainingOutcome(unwrapped(trainer), results, output, trainer.state.log_history)
+
+
+def _teacher(args: ContinualPretrainArguments, training: TrainingArguments) -> str | None:
+    """The teacher to distil from (None: no distillation), checked before any model loads."""
+    teacher = checked_teacher(args)
+    if teacher is not None and (training.deepspeed or training.fsdp):
+        raise ValueError(
+            "Distillation loads the whole teacher in every process (one process or DDP); it is not set up for "
+            "ZeRO/FSDP sharding: launch with torchrun or recipes/accelerate/ddp.yaml."
+        )
+    return teacher
+
+
+def _hidden_layers(args: ContinualPretrainArguments) -> tuple[int, ...]:
+    return tuple(args.distill_hidden_layers or ()) if args.distill_hidden_weight else ()
+
+
+def _distiller(args: ContinualPretrainArguments, teacher: str, device) -> Distiller:
+    return Distiller(
+        load_teacher(teacher, device),
+        alpha=args.distill_alpha,
+        temperature=args.distill_temperature,
+        top_k=args.distill_top_k,
+        hidden_layers=_hidden_layers(args),
+        hidden_weight=args.distill_hidden_weight,
+        hidden_loss=args.distill_hidden_loss,
+    )
+
+
+def _distillation_record(args: ContinualPretrainArguments, teacher: str | None) -> dict | None:
+    if teacher is None:
+        return None
+    record = {"teacher": teacher_name(teacher), "alpha": args.distill_alpha}
+    record |= {"temperature": args.distill_temperature, "top_k": args.distill_top_k}
+    if args.distill_hidden_weight:
+        record |= {"hidden_layers": list(_hidden_layers(args)), "hidden_weight": args.distill_hidden_weight}
+        record["hidden_loss"] = args.distill_hidden_loss
+    return record
+
+
+def _stage(trainer, args: ContinualPretrainArguments, mixture: DomainMixture, results: dict, teacher) -> dict:
+    """The history record of this stage: data shares, tokens, sampling, distillation settings, results."""
+    training = trainer.args
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
-    record = stage_record(
+    shares = mixture.drawn / max(1, mixture.drawn.sum())
+    return stage_record(
         trainer,
         "continual-pretraining",
-        {name: float(share) for name, share in zip(names, mixture.drawn / max(1, mixture.drawn.sum()))},
+        {name: float(share) for name, share in zip(mixture.weights.names, shares)},
         args.model_name_or_path,
         tokens=trainer.state.global_step * global_batch * args.seq_len,
         sampling=args.sampling,
-        final_domain_weights=weights.as_dict(),
+        final_domain_weights=mixture.weights.as_dict(),
         seq_len=args.seq_len,
         eval_blocks=args.eval_blocks,
+        distillation=_distillation_record(args, teacher),
         results=results,
     )
-    output = save_complete_checkpoint(trainer, tokenizer, training.output_dir, args.model_name_or_path, record)
-    return TrainingOutcome(unwrapped(trainer), results, output, trainer.state.log_history)
 
 
 def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> None:
@@ -136,6 +214,22 @@ def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> Non
             "--reference_model is evaluated whole in every process; with ZeRO-3/FSDP measure the reference losses "
             "once and pass them as --reference_losses NAME=LOSS ..."
         )
+    _check_distillation(args)
+
+
+def _check_distillation(args: ContinualPretrainArguments) -> None:
+    if not 0 <= args.distill_alpha <= 1 or args.distill_temperature <= 0 or args.distill_hidden_weight < 0:
+        raise ValueError(
+            "distill_alpha must be in [0, 1], distill_temperature above 0 and distill_hidden_weight at least 0; got "
+            f"{args.distill_alpha}, {args.distill_temperature} and {args.distill_hidden_weight}."
+        )
+    if args.distill_top_k is not None and args.distill_top_k < 1:
+        raise ValueError(f"distill_top_k must be at least 1 (or unset for all tokens), got {args.distill_top_k}.")
+    if args.distill_hidden_weight and not args.distill_hidden_layers:
+        raise ValueError("distill_hidden_weight needs distill_hidden_layers (indices of the hidden states to match).")
+    if args.distill_hidden_loss not in HIDDEN_LOSSES:
+        choices = ", ".join(HIDDEN_LOSSES)
+        raise ValueError(f"distill_hidden_loss must be one of {choices}, got {args.distill_hidden_loss!r}.")
 
 
 def _evaluation_sets(domains, eval_blocks: int) -> dict:

@@ -5,17 +5,52 @@ The options are exactly `trl sft`'s (`ScriptArguments`, `SFTConfig`, `ModelConfi
 same YAML file runs under `trl sft --config`) plus `MoESFTArguments`. The replay share is TRL's dataset `fraction`.
 SFTTrainer adds the router load-balancing loss (and logs it as `aux_loss`); the other router losses are attached to
 the graph by the modeling code. The output is a complete checkpoint whose card lists every stage so far.
+`distill: gkd | on_policy` distils from a teacher with TRL's distillation trainers instead (`sft_distill.py`).
 """
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
+from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
+
+DISTILL_CHOICES = ("none", "gkd", "on_policy")
 
 
 @dataclass
 class MoESFTArguments:
     freeze_routers: bool = field(default=False, metadata={"help": "keep every router's weights fixed"})
+    distill: str = field(
+        default="none",
+        metadata={
+            "help": "none: SFTTrainer; gkd: TRL's GKD (KD on the chats, on the student's own completions for a "
+            "fraction lmbda of the steps); on_policy: TRL's DistillationTrainer (the student completes the prompts)",
+            "choices": list(DISTILL_CHOICES),
+        },
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "distillation teacher (default: the dense model the student was converted from, as its "
+            "moe_recipe.yaml records it; none: no distillation)"
+        },
+    )
+    beta: float | None = field(
+        default=None,
+        metadata={
+            "help": "generalized JSD: 0 forward KL, 0.5 JSD, 1 reverse KL (default: TRL's, 0.5 gkd, 1 on_policy)"
+        },
+    )
+    temperature: float | None = field(
+        default=None,
+        metadata={"help": "sampling temperature, and on_policy the loss's (default: TRL's, 0.9 gkd, 1 on_policy)"},
+    )
+    lmbda: float | None = field(
+        default=None, metadata={"help": "gkd: share of steps on the student's own completions (default: 0.5)"}
+    )
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "tokens per generated completion (default: TRL's, 128 gkd, 512 on_policy)"}
+    )
 
 
 def freeze_routers(model) -> int:
@@ -52,14 +87,10 @@ def mixture_shares(dataset_args) -> dict[str, float | None]:
     }
 
 
-def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoESFTArguments):
-    """The model (routers frozen if asked), the data mixture and TRL's SFTTrainer for one stage; returns the trainer
-    and what the stage record needs: each dataset's share, the examples before packing, and the model's
-    `output_router_logits` as loaded (SFTTrainer switches it on for the balance loss)."""
-    import torch
+def _load_data(script_args, training, dataset_args) -> tuple:
+    """(the stage's dataset splits, each dataset's share)."""
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTTrainer, get_dataset
+    from trl import get_dataset
 
     if dataset_args.datasets:
         dataset, shares = get_dataset(dataset_args), mixture_shares(dataset_args)
@@ -72,21 +103,67 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     for split in [script_args.dataset_train_split] + ([script_args.dataset_test_split] if evaluate else []):
         if split not in dataset:
             raise ValueError(f"The data has no {split!r} split (it has {', '.join(dataset)}); see test_split_size.")
+    return dataset, shares
+
+
+def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoESFTArguments):
+    """The model (routers frozen if asked), the data mixture and TRL's trainer for one stage (SFTTrainer, or a
+    distillation trainer); returns the trainer and what the stage record needs: each dataset's share, the examples
+    before packing, the model's `output_router_logits` as loaded (TRL switches it on for the balance loss) and the
+    distillation settings."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    dataset, shares = _load_data(script_args, training, dataset_args)
     source, trust = model_args.model_name_or_path, training.trust_remote_code
+    teacher = resolve_teacher(source, moe.teacher_model_name_or_path) if moe.distill != "none" else None
+    if teacher is not None:  # before any model loads
+        check_teacher(source, teacher)
     dtype = model_args.dtype if model_args.dtype not in (None, "auto") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
     as_loaded = {"output_router_logits": getattr(model.config, "output_router_logits", None)}
     if moe.freeze_routers:
         freeze_routers(model)
     train = dataset[script_args.dataset_train_split]
-    trainer = SFTTrainer(
-        model=model,
-        args=training,
-        train_dataset=train,
-        eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
-        processing_class=AutoTokenizer.from_pretrained(source, trust_remote_code=trust),
+    evaluation = dataset[script_args.dataset_test_split] if training.eval_strategy != "no" else None
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    stage = {"shares": shares, "examples": len(train), "as_loaded": as_loaded, "distillation": None}
+    if teacher is None:
+        trainer = SFTTrainer(
+            model=model, args=training, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
+        )
+        return trainer, stage
+    trainer = _distillation_trainer(moe, model, teacher, training, train, evaluation, tokenizer)
+    stage["distillation"] = _distillation_record(moe, teacher, trainer.args)
+    return trainer, stage
+
+
+def _distillation_trainer(moe: MoESFTArguments, model, teacher: str, training, train, evaluation, tokenizer):
+    from .sft_distill import distillation_config, distillation_trainer
+
+    if training.router_aux_loss_coef is not None:  # SFTConfig's field, which DistillationConfig lacks
+        model.config.router_aux_loss_coef = training.router_aux_loss_coef
+    settings = {"beta": moe.beta, "temperature": moe.temperature}
+    if moe.distill == "gkd":
+        settings |= {"lmbda": moe.lmbda, "max_new_tokens": moe.max_new_tokens}
+    else:
+        settings["max_completion_length"] = moe.max_new_tokens
+    config = distillation_config(training, moe.distill, **settings)
+    return distillation_trainer(
+        moe.distill, model, load_teacher(teacher, config.device), config, train, evaluation, tokenizer
     )
-    return trainer, {"shares": shares, "examples": len(train), "as_loaded": as_loaded}
+
+
+def _distillation_record(moe: MoESFTArguments, teacher: str, config) -> dict:
+    """The settings the trainer ran with (TRL's defaults filled in)."""
+    record = {"method": moe.distill, "teacher": teacher_name(teacher), "beta": config.beta}
+    record["temperature"] = config.temperature
+    if moe.distill == "gkd":
+        record |= {"lmbda": config.lmbda, "max_new_tokens": config.max_new_tokens}
+    else:
+        record["max_new_tokens"] = config.max_completion_length
+    return record
 
 
 def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArguments) -> TrainingOutcome:
@@ -103,8 +180,9 @@ def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArgument
         stage["shares"],
         source,
         examples=stage["examples"],
-        packing=training.packing,
+        packing=getattr(trainer.args, "packing", False),  # DistillationTrainer does not pack
         freeze_routers=moe.freeze_routers,
+        distillation=stage["distillation"],
         final_train_loss=round(metrics["train_loss"], 4),
     )
     output = save_complete_checkpoint(trainer, trainer.processing_class, training.output_dir, source, record)

@@ -43,6 +43,7 @@ class ModelFamily:
     description = ""
     Options = NoOptions
     target_fields = {MLP: MLP_FIELDS}
+    heals = True  # its MoE MLP blocks route tokens top-k, as `healing` trains them
 
     def target_kinds(self, recipe) -> list[str]:
         """The blocks that become experts, in layer order of conversion."""

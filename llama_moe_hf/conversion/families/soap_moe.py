@@ -42,6 +42,7 @@ SOAP_FIELDS = {
 @FAMILIES.register("soap_moe")
 class SoapMoEFamily(ModelFamily):
     description = "LLaMA with SOAP layers: experts soft-merged per segment, each segment routed by the previous one"
+    heals = False  # a SOAP block routes whole segments and merges its experts: not what healing trains
     Options = SoapMoEOptions
     target_fields = {MLP: SOAP_FIELDS}
 

@@ -28,6 +28,7 @@ class ConstructionMethod:
     Options = NoOptions
     allows_shared_experts = True
     neuron_split = False  # experts are subsets of the dense neurons (compensation and selectors need this)
+    representative_neurons = False  # its splits name a representative neuron per routed expert (analytical routers)
     uses_split_files = False  # --save-split / --load-split apply
     default_router_init = "random"
 

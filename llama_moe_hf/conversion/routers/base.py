@@ -15,6 +15,7 @@ class RouterInit:
     targets = (MLP, ATTENTION)  # the blocks whose routers it can initialise
     router_type: str | None = None  # the one gate it makes (None: any token-choice gate)
     needs_neuron_split = False  # works only on experts that are subsets of the dense neurons
+    needs_representatives = False  # works only on splits with a representative neuron per expert
     unit_weights = False  # its gate gives every selected expert weight 1 (the default score scale is then 1)
 
     def __init__(self, recipe, target: Target, dense_config, run=None):

@@ -1,0 +1,93 @@
+"""Quality at a given sparsity: every neuron-splitting method at 25%, 50% and 75% of the FFN active per token (shared
+experts counted), training-free and healed, as held-out perplexity ratios to the dense SmolLM2-135M-Instruct.
+
+Every row has 8 experts' worth of neurons per MoE layer (192 of the 1536): without shared experts top-2/4/6 of 8,
+with one always-on shared expert 1 + top-1/3/5 of 7. All 30 layers are converted, with G-MoEfication's trained
+selector router and compensation unless the row names another router. Calibration: the first 32768 tokens of the
+built-in stdlib-docstring corpus (also what healing trains on). Scored on the Python tutorial (the text the settings
+are chosen on) and the Python HOWTOs (the text that confirms them), `benchmarks/heldout.py`. Models are built in memory
+by `build_moe` (the converter's own code path); rows that share calibration settings share one calibration context.
+Each row is appended to `--output` (JSON lines) as soon as it is measured.
+
+    python benchmarks/sparsity.py --output sparsity.jsonl                           # the whole grid
+    python benchmarks/sparsity.py --methods cluster --sparsity 25 --heal 0 32768    # one method, with healing
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from heldout import heldout_tokens, perplexities  # same folder: the held-out texts and their scoring
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.conversion.calibration import CalibrationContext
+from llama_moe_hf.conversion.sources import default_model_path
+
+NUM_EXPERTS = 8
+SHARED = {"random": 0, "cluster": 0, "sharing-inner": 0, "sharing-inter": 1, "residual": 1, "carve": 1}
+OPTIONS = {"cluster": {"cluster_on": "activations"}}
+CALIBRATION = dict(calibration_tokens=32768, calibration_samples=32768)
+
+
+def row_fields(method: str, sparsity: int, router: str) -> dict:
+    """The recipe fields of a row: `sparsity`% of the 8 experts' worth of neurons active, the shared one included."""
+    shared = SHARED[method]
+    active = NUM_EXPERTS * sparsity // 100
+    return dict(
+        method=method,
+        num_experts=NUM_EXPERTS - shared,
+        num_shared_experts=shared,
+        top_k=active - shared,
+        router_init=router,
+        compensation=True,
+        options=OPTIONS.get(method, {}),
+        **CALIBRATION,
+    )
+
+
+def measure(dense, tokenizer, context, tokens, fields: dict, heal: int) -> dict:
+    start = time.perf_counter()
+    model = build_moe(dense, tokenizer=tokenizer, context=context, heal_tokens=heal, **fields)
+    seconds = time.perf_counter() - start
+    result = perplexities(model, tokens)
+    info = model.config.conversion_info.get("healing", {})
+    return {"seconds": round(seconds, 1), "perplexity": result, "healing": info}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(SHARED))
+    parser.add_argument("--sparsity", nargs="+", type=int, default=[25, 50, 75])
+    parser.add_argument("--routers", nargs="+", default=["selector"], help="router inits (analytical: carve only)")
+    parser.add_argument("--heal", nargs="+", type=int, default=[0], help="heal tokens per row (0: training-free)")
+    parser.add_argument("--output", required=True, help="JSON lines, one per row")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = heldout_tokens(tokenizer)
+    reference = perplexities(dense, tokens)
+    print(json.dumps({"dense": reference}), flush=True)
+    context = CalibrationContext(MoERecipe(**CALIBRATION), lambda *_: dense, lambda: tokenizer, device="cpu")
+    with open(args.output, "a") as out:
+        for method in args.methods:
+            for sparsity in args.sparsity:
+                for router in args.routers:
+                    if router == "analytical" and method != "carve":
+                        continue
+                    for heal in args.heal:
+                        fields = row_fields(method, sparsity, router)
+                        row = {"method": method, "sparsity": sparsity, "router": router, "heal_tokens": heal}
+                        row.update(measure(dense, tokenizer, context, tokens, fields, heal))
+                        row["ratio"] = {n: round(row["perplexity"][n] / reference[n], 3) for n in reference}
+                        print(json.dumps(row), flush=True)
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+
+
+if __name__ == "__main__":
+    main()

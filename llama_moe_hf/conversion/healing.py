@@ -1,0 +1,216 @@
+"""Healing: after a layer is converted, train its MoE MLP to reproduce the dense layer's MLP output.
+
+A training-free split loses what the experts a token skips would have added. Healing trains each MoE MLP block (its
+router, routed experts, shared experts and compensation) on calibration tokens, one layer at a time, in order:
+
+    h_0 = embed(tokens)                                   [N, S, H] calibration sequences
+    for each layer i:
+        a_i = h_i + attention_i(norm(h_i))                the converted model's attention (dense, or AttnMoE's)
+        x_i = post_attention_norm(a_i)                    the MLP input the converted model really sees
+        train block_i to minimise  |block_i(x_i) - dense_mlp_i(x_i)|^2 / mean |dense_mlp_i(x_i)|^2
+                                   + routing_weight * listwise(router_i(x_i), energy_i(x_i))
+        h_{i+1} = a_i + block_i(x_i)
+
+so each layer learns on the inputs the already-healed earlier layers give it and errors do not pile up (sequential,
+as in layer-wise pruning). `energy_i[t, e] = |expert_e(x_t) - compensation_e|^2` is what token t loses when expert e
+is left out (G-MoEfication's deviation energy with the current weights): the routing term pulls the router's top-k
+towards the experts whose removal costs most (`gmoefication.selector_loss`, the selector's own objective).
+
+The block is trained as it runs in inference (top-k routing, no router noise) with Adam, the same seed per layer:
+the result is deterministic. One decoder layer is in memory at a time, next to the calibration states
+(`tokens x hidden x 4` bytes, 75 MB for 32768 tokens of SmolLM2). With a `state_dir`, every healed layer and the states
+after it are saved, so an interrupted run resumes at the next layer.
+"""
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "healing.json"
+
+
+@dataclass(frozen=True)
+class HealSettings:
+    tokens: int  # calibration tokens (whole sequences)
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_tokens: int = 512
+    routing_weight: float = 0.1
+    seed: int = 0
+
+
+class LayerHealer:
+    """Heals the MoE MLP blocks of a converted model layer after layer (`heal`), carrying the calibration states.
+
+    config: the converted model's config. layer_class / rotary_class: its decoder layer and rotary embedding classes.
+    embed_weight: `[V, H]` input embeddings. input_ids: `[N, S]` calibration tokens.
+    """
+
+    def __init__(self, settings, config, layer_class, rotary_class, embed_weight, input_ids, device, state_dir=None):
+        self.settings, self.config, self.layer_class = settings, _standalone(config), layer_class
+        self.device = torch.device(device)
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        positions = torch.arange(input_ids.shape[1], device=self.device)[None]
+        self.hidden = F.embedding(input_ids.to(self.device), embed_weight.to(self.device, torch.float32))
+        rotary = rotary_class(config=self.config).to(self.device)
+        self.position_embeddings = rotary(self.hidden[:1], positions)
+        self.errors: dict[int, tuple[float, float]] = {}  # layer -> relative MLP error (before, after)
+        self.done = self._resume(input_ids) if self.state_dir is not None else -1
+
+    def heal(self, layer_idx: int, tensors: dict, dense_mlp: dict) -> dict:
+        """The layer's tensors (keyed under the layer) with its MoE MLP healed; the states moved past the layer."""
+        if layer_idx <= self.done:
+            return {**tensors, **_load_layer(self.state_dir, layer_idx)}
+        layer = self._layer(layer_idx, tensors)
+        with torch.no_grad():
+            attended = self._attend(layer)
+            inputs = layer.post_attention_layernorm(attended).flatten(0, 1)  # [T, H]
+            targets = _swiglu(inputs, dense_mlp, self.config.hidden_act)
+        if _is_moe(layer.mlp):
+            before = _relative_error(layer.mlp, inputs, targets)
+            _train_block(layer.mlp, inputs, targets, self.settings, layer_idx)
+            self.errors[layer_idx] = (before, _relative_error(layer.mlp, inputs, targets))
+        with torch.no_grad():
+            self.hidden = attended + _batched(layer.mlp, inputs).view_as(attended)
+        healed = {f"mlp.{k}": v.detach().cpu() for k, v in layer.mlp.state_dict().items()}
+        if self.state_dir is not None:
+            self._save(layer_idx, healed)
+        return {**tensors, **healed}
+
+    def info(self) -> dict:
+        """What healing did: its settings and the mean relative MLP error before and after it."""
+        info = {"healing": asdict(self.settings)}
+        if self.errors:
+            before, after = zip(*self.errors.values())
+            info["healing"].update(error_before=round(sum(before) / len(before), 4))
+            info["healing"].update(error_after=round(sum(after) / len(after), 4))
+        return info
+
+    def _layer(self, layer_idx: int, tensors: dict):
+        layer = self.layer_class(self.config, layer_idx).to(self.device, torch.float32)
+        layer.load_state_dict({k: v.to(self.device, torch.float32) for k, v in tensors.items()})
+        return layer.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def _attend(self, layer) -> torch.Tensor:
+        """`h + attention(norm(h))` for every calibration sequence (causal: the sequences hold no padding)."""
+        outputs = []
+        for states in self.hidden.split(16):
+            cos, sin = (t.expand(states.shape[0], -1, -1) for t in self.position_embeddings)
+            normed = layer.input_layernorm(states)
+            outputs.append(states + layer.self_attn(normed, position_embeddings=(cos, sin), attention_mask=None)[0])
+        return torch.cat(outputs)
+
+    # Resuming ----------------------------------------------------------------------------------------------------
+
+    def _fingerprint(self, input_ids) -> str:
+        digest = hashlib.sha256(json.dumps(asdict(self.settings), sort_keys=True).encode())
+        digest.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        digest.update(input_ids.numpy().tobytes())
+        return digest.hexdigest()
+
+    def _resume(self, input_ids) -> int:
+        """The last layer a previous run of the same healing finished (-1: none), its states loaded."""
+        from safetensors.torch import load_file
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._key = self._fingerprint(input_ids)
+        path = self.state_dir / STATE_FILE
+        state = json.loads(path.read_text()) if path.is_file() else {}
+        if state.get("fingerprint") != self._key:
+            return -1
+        self.hidden = load_file(self.state_dir / "hidden.safetensors")["hidden"].to(self.device)
+        self.errors = {int(k): tuple(v) for k, v in state["errors"].items()}
+        logger.info("Healing resumes after layer %d (%s).", state["layer"], self.state_dir)
+        return state["layer"]
+
+    def _save(self, layer_idx: int, healed: dict) -> None:
+        """The healed layer, then the states after it, then the record naming the layer (each write atomic), so a
+        record never points at missing files."""
+        from safetensors.torch import save_file
+
+        _atomic(self.state_dir / f"layer_{layer_idx}.safetensors", lambda p: save_file(healed, p))
+        _atomic(self.state_dir / "hidden.safetensors", lambda p: save_file({"hidden": self.hidden.cpu()}, p))
+        record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors}
+        _atomic(self.state_dir / STATE_FILE, lambda p: Path(p).write_text(json.dumps(record)))
+
+
+def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: HealSettings, layer_idx: int) -> None:
+    """Adam on every parameter of the MoE block, in mini-batches of `batch_tokens` tokens, `epochs` passes."""
+    from .gmoefication import selector_loss
+
+    block.requires_grad_(True)
+    optimizer = torch.optim.Adam(block.parameters(), lr=settings.lr)
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
+    scale = targets.pow(2).mean()
+    for _ in range(settings.epochs):
+        for index in torch.randperm(inputs.shape[0], generator=generator).split(settings.batch_tokens):
+            index = index.to(inputs.device)
+            states, wanted = inputs[index], targets[index]
+            loss = (block(states[None])[0] - wanted).pow(2).mean() / scale
+            if settings.routing_weight:
+                loss = loss + settings.routing_weight * selector_loss(block.gate.logits(states), _energy(block, states))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    block.requires_grad_(False)
+
+
+@torch.no_grad()
+def _energy(block, states: torch.Tensor) -> torch.Tensor:
+    """`[T, E]`: what each token loses when each expert is left out (its output against its compensation)."""
+    experts = block.experts
+    outputs = torch.stack([experts.expert(states, e) for e in range(experts.num_experts)], 1)  # [T, E, H]
+    if block.compensation is not None:
+        outputs = outputs - block.compensation
+    return outputs.pow(2).sum(-1)
+
+
+@torch.no_grad()
+def _relative_error(block, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    return ((_batched(block, inputs) - targets).pow(2).mean() / targets.pow(2).mean()).item()
+
+
+def _batched(mlp, inputs: torch.Tensor, rows: int = 8192) -> torch.Tensor:
+    return torch.cat([mlp(chunk[None])[0] for chunk in inputs.split(rows)])
+
+
+def _swiglu(inputs: torch.Tensor, dense_mlp: dict, activation: str) -> torch.Tensor:
+    """The dense MLP's output (`mlp.gate_proj` etc. of the source layer) on `[T, H]` inputs, in chunks."""
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[activation]
+    gate, up, down = (dense_mlp[f"mlp.{n}_proj.weight"].to(inputs) for n in ("gate", "up", "down"))
+    return torch.cat([F.linear(act(F.linear(x, gate)) * F.linear(x, up), down) for x in inputs.split(8192)])
+
+
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _standalone(config):
+    """A copy of the config for layers built outside a model: attention through sdpa (the calibration sequences are
+    whole and causal), the experts through the family's default dispatch (what a loaded model would pick)."""
+    config = type(config).from_dict(config.to_dict())
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "llama_moe_auto"
+    return config
+
+
+def _load_layer(state_dir: Path, layer_idx: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(state_dir / f"layer_{layer_idx}.safetensors")
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(str(tmp))
+    tmp.replace(path)

@@ -1,0 +1,102 @@
+"""Healing (`llama-moe convert --heal-tokens N`, `llama-moe heal`): each MoE MLP trained, layer after layer, to
+reproduce the dense MLP's output on the converted earlier layers' states. The same result converting and healing in
+one run or in two, deterministic, resumable after an interruption, closer to the dense model."""
+
+import json
+
+import pytest
+import torch
+from helpers import load_moe, logits, one_error_line, tiny_llama
+
+from llama_moe_hf import convert_to_moe
+from llama_moe_hf.commands import main
+from llama_moe_hf.conversion import healing
+from llama_moe_hf.conversion.heal import HealOptions, heal_folder
+
+SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024, eval=False)
+HEAL = dict(heal_tokens=1024, heal_epochs=2)
+
+
+def tensors(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def assert_same_tensors(a, b):
+    a, b = tensors(a), tensors(b)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory, tiny_dense):
+    root = tmp_path_factory.mktemp("healing")
+    plain = convert_to_moe(tiny_dense[0], root / "plain", progress=False, **SPLIT)
+    return root, plain.output_dir, convert_to_moe(tiny_dense[0], root / "healed", progress=False, **SPLIT, **HEAL)
+
+
+def test_healing_brings_the_mlps_and_the_logits_closer_to_the_dense_model(healed, tiny_dense):
+    _, plain, result = healed
+    _, input_ids, dense_logits = tiny_dense
+    report = load_moe(result.output_dir).config.conversion_info["healing"]
+    assert report["error_after"] < 0.5 * report["error_before"]
+    assert report["tokens"] == 1024 and report["epochs"] == 2
+
+    def distance(folder):
+        return (logits(load_moe(folder), input_ids) - dense_logits).pow(2).mean()
+
+    assert distance(result.output_dir) < 0.8 * distance(plain)
+    assert not list(result.output_dir.parent.glob(".*healing"))  # the progress kept for a resume is gone
+
+
+def test_converting_and_healing_in_one_run_or_two_give_the_same_weights(healed, tiny_dense, tmp_path):
+    _, plain, result = healed
+    options = HealOptions(output=str(tmp_path / "later"), heal_tokens=1024, heal_epochs=2, progress=False)
+    heal_folder(plain, options)  # the teacher: the dense model the folder was converted from
+    assert_same_tensors(tmp_path / "later", result.output_dir)
+    info = json.loads((tmp_path / "later" / "config.json").read_text())["conversion_info"]
+    assert (
+        info["healing"]["error_after"] == load_moe(result.output_dir).config.conversion_info["healing"]["error_after"]
+    )
+    assert "heal_tokens: 1024" in (tmp_path / "later" / "moe_recipe.yaml").read_text()
+    assert "## Healing" in (tmp_path / "later" / "README.md").read_text()
+
+
+def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed, tmp_path, monkeypatch):
+    _, plain, result = healed
+    trained, real_train = [], healing._train_block
+
+    def interrupt_at_layer_one(block, inputs, targets, settings, layer_idx):
+        if layer_idx == 1 and not trained.count(1):
+            trained.append(1)
+            raise KeyboardInterrupt
+        trained.append(layer_idx)
+        return real_train(block, inputs, targets, settings, layer_idx)
+
+    monkeypatch.setattr(healing, "_train_block", interrupt_at_layer_one)
+    options = HealOptions(output=str(tmp_path / "out"), heal_tokens=1024, heal_epochs=2, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        heal_folder(plain, options)
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.healing" / "layer_0.safetensors").is_file()
+    heal_folder(plain, options)
+    assert trained == [0, 1, 1]  # layer 0 was not trained again
+    assert_same_tensors(tmp_path / "out", result.output_dir)
+    assert not (tmp_path / ".out.healing").exists()
+
+
+def test_bad_healing_settings_and_teachers_are_one_line(healed, tmp_path, capsys):
+    root, plain, _ = healed
+    assert (
+        main(["convert", "--model", str(root / "plain"), "--output", str(tmp_path / "x"), "--heal-tokens", "-1"]) == 2
+    )
+    assert "--heal-tokens must be >= 0" in one_error_line(capsys)
+    soap = ["convert", "--family", "soap_moe", "--output", str(tmp_path / "s"), "--heal-tokens", "512"]
+    assert main(soap) == 2
+    assert "--heal-tokens does not apply to the soap_moe family" in one_error_line(capsys)
+    tiny_llama(num_hidden_layers=3).save_pretrained(tmp_path / "other")  # not the dense model of this MoE
+    capsys.readouterr()
+    assert main(["heal", str(plain), "--output", str(tmp_path / "y"), "--teacher", str(tmp_path / "other")]) == 2
+    assert "The teacher is not the dense model of this MoE" in one_error_line(capsys)
+    assert not (tmp_path / "y").exists()
