@@ -5,13 +5,14 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_partition, assert_same_logits, calibrated_split, load_moe, logits, tiny_llama
 
-from llama_moe_hf import build_moe, convert_to_moe
+from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
 from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
 from llama_moe_hf.conversion.clustering import balanced_kmeans, kmeans_router, sample_rows, split_cluster
 from llama_moe_hf.conversion.experts import ExpertSplit
 from llama_moe_hf.conversion.importance import assign_by_importance, split_sharing_inner, split_sharing_inter
 from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
 from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
+from llama_moe_hf.evaluation.perplexity import sliding_window_perplexity
 
 
 def planted_rows(num_groups=4, per_group=8, dim=16, seed=0):
@@ -290,6 +291,25 @@ def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
         assert_partition(splits[i], 1536)
         assert splits[i].expert_neurons.shape == (7, 192) and splits[i].shared_neurons.shape == (192,)
         assert context.kmeans_centroids(i, 7).shape == (7, 576)
+
+
+@pytest.mark.slow
+def test_residual_defaults_are_not_a_trap_on_smollm2(smollm2, real_text):
+    """`--method residual --num-experts 7 --num-shared-experts 1 --top-k 1` with nothing else set: LLaMA-MoE v1's N/k
+    score scale multiplied the one routed expert by 7 (544,043x the dense perplexity over all layers); now 1."""
+    from llama_moe_hf.conversion.plan import resolve_recipe
+
+    model, tokenizer = smollm2
+    fields = dict(method="residual", num_experts=7, num_shared_experts=1, top_k=1)
+    assert resolve_recipe(MoERecipe(**fields)).score_scale_factor == 1.0
+    assert resolve_recipe(MoERecipe(method="random", num_experts=8, top_k=2)).score_scale_factor == 4.0  # v1's
+    ids = tokenize_calibration(real_text[-40:], tokenizer, num_tokens=512, seq_len=256).flatten()
+    moe = build_moe(model, tokenizer=tokenizer, moe_layers=["last:8"], calibration_tokens=1024, **fields)
+    ratio = (
+        sliding_window_perplexity(moe, ids, 256, 256).perplexity
+        / sliding_window_perplexity(model, ids, 256, 256).perplexity
+    )
+    assert ratio < 3, ratio  # with the old default: over 100x
 
 
 # ----------------------------------------------------------------------------------------------------------------
