@@ -12,6 +12,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
 
     python benchmarks/bench_decode.py                          # 3 processes, 2 threads
     python benchmarks/bench_decode.py --processes 1 --profile
+    python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
 """
 
 import argparse
@@ -33,7 +34,10 @@ def measure(args) -> dict:
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    models = {"dense": dense, "moe": build_moe(dense, num_experts=args.num_experts, top_k=args.top_k)}
+    if args.presets:
+        models = {"dense": dense, **{name: preset_model(name, dense, tokenizer) for name in args.presets}}
+    else:
+        models = {"dense": dense, "moe": build_moe(dense, num_experts=args.num_experts, top_k=args.top_k)}
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     long_input = torch.randint(0, dense.config.vocab_size, (1, args.prefill_tokens), generator=torch.Generator())
@@ -60,6 +64,18 @@ def measure(args) -> dict:
         if args.profile:
             results["profile_ms"] = {name: step_profile(model, prompt["input_ids"]) for name, model in models.items()}
     return results
+
+
+def preset_model(name: str, dense, tokenizer):
+    """A model with preset `name`'s layout (experts, shared experts, top-k, router, compensation), calibrated on 512
+    tokens and not healed: the speed of a layout does not depend on how well its weights were chosen."""
+    from llama_moe_hf import build_moe  # noqa: F811 (measure's is local to it)
+    from llama_moe_hf.conversion.presets import preset_path
+    from llama_moe_hf.conversion.recipe import load_recipe
+
+    recipe, _ = load_recipe(preset_path(name))
+    fast = dict(calibration_tokens=512, calibration_samples=512, heal_tokens=0)
+    return build_moe(dense, recipe, tokenizer=tokenizer, **fast)
 
 
 def step_profile(model, input_ids, steps: int = 30) -> dict:
@@ -106,6 +122,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--presets", nargs="+", help="time these presets' layouts against dense instead of a split")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
@@ -121,15 +138,19 @@ def main():
             for _ in range(args.processes)]  # fmt: skip
     import torch
 
+    compared = args.presets or ["moe"]
+    against = ", ".join(args.presets) if args.presets else f"{args.num_experts} experts top-{args.top_k}"
     print(
         f"torch {torch.__version__}, threads={args.threads}, float32, batch 1 | SmolLM2-135M-Instruct dense vs "
-        f"{args.num_experts} experts top-{args.top_k} | {args.processes} processes x {args.rounds} rounds"
+        f"{against} | {args.processes} processes x {args.rounds} rounds"
     )
     for task, unit in (("decode", f"{args.new_tokens} new tokens"), ("prefill", f"{args.prefill_tokens} tokens")):
-        ratios = [run[task]["moe"] / run[task]["dense"] for run in runs]
-        cells = ", ".join(f"{run[task]['dense']:.1f} / {run[task]['moe']:.1f}" for run in runs)
-        print(f"{task} ({unit}), tokens/s dense / moe per process: {cells}")
-        print(f"  moe / dense: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x")
+        for name in compared:
+            ratios = [run[task][name] / run[task]["dense"] for run in runs]
+            cells = ", ".join(f"{run[task]['dense']:.1f} / {run[task][name]:.1f}" for run in runs)
+            print(f"{task} ({unit}), tokens/s dense / {name} per process: {cells}")
+            print(f"  {name} / dense: median {statistics.median(ratios):.2f}x, "
+                  f"range {min(ratios):.2f}-{max(ratios):.2f}x")  # fmt: skip
     for run in runs if args.profile else []:
         for model, profile in run["profile_ms"].items():
             print(f"  {model} step: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in profile.items()))

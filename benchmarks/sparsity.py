@@ -74,8 +74,8 @@ def main() -> None:
     print(json.dumps({"dense": reference}), flush=True)
     context = CalibrationContext(MoERecipe(**CALIBRATION), lambda *_: dense, lambda: tokenizer, device="cpu")
     with open(args.output, "a") as out:
-        for method in args.methods:
-            for sparsity in args.sparsity:
+        for sparsity in args.sparsity:  # sparsity outermost: an interrupted grid has whole sparsities
+            for method in args.methods:
                 for router in args.routers:
                     if router == "analytical" and method != "carve":
                         continue

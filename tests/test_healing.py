@@ -86,6 +86,50 @@ def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed,
     assert not (tmp_path / ".out.healing").exists()
 
 
+def test_an_interrupted_convert_resumes_even_in_a_folder_it_created_and_never_from_another_conversion(
+    healed, tiny_dense, tmp_path, monkeypatch
+):
+    """The progress lives beside the output, so the parent folders the convert created stay while it is there; a
+    conversion with other settings (here another seed) into the same output starts over."""
+    _, _, result = healed
+    trained, real_train = [], healing._train_block
+
+    def record(block, inputs, targets, settings, layer_idx):
+        trained.append(layer_idx)
+        if layer_idx == 1 and trained.count(1) == 1:
+            raise KeyboardInterrupt
+        return real_train(block, inputs, targets, settings, layer_idx)
+
+    monkeypatch.setattr(healing, "_train_block", record)
+    output = tmp_path / "new" / "parent" / "out"
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_moe(tiny_dense[0], output, progress=False, **{**SPLIT, "seed": 1}, **HEAL)
+    assert (output.parent / ".out.healing" / "layer_0.safetensors").is_file() and not output.exists()
+    convert_to_moe(tiny_dense[0], output, progress=False, **SPLIT, **HEAL)
+    assert trained == [0, 1, 0, 1]  # seed 0 is another conversion: nothing of seed 1's progress is used
+    assert_same_tensors(output, result.output_dir)
+
+
+def test_a_heal_killed_between_its_writes_resumes_from_a_consistent_layer(healed, tmp_path, monkeypatch):
+    """Killed after a layer's states were written but before the record naming the layer: the record's layer and its
+    states still belong together, and the run ends as an uninterrupted one."""
+    _, plain, result = healed
+    calls, real_atomic = [], healing._atomic
+
+    def die_before_the_second_record(path, write):
+        calls.append(path.name)
+        if path.name == healing.STATE_FILE and calls.count(healing.STATE_FILE) == 2:
+            raise KeyboardInterrupt
+        return real_atomic(path, write)
+
+    monkeypatch.setattr(healing, "_atomic", die_before_the_second_record)
+    options = HealOptions(output=str(tmp_path / "out"), heal_tokens=1024, heal_epochs=2, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        heal_folder(plain, options)
+    heal_folder(plain, options)
+    assert_same_tensors(tmp_path / "out", result.output_dir)
+
+
 def test_bad_healing_settings_and_teachers_are_one_line(healed, tmp_path, capsys):
     root, plain, _ = healed
     assert (

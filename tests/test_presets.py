@@ -7,7 +7,7 @@ import yaml
 
 from llama_moe_hf.commands import build_parser, main
 from llama_moe_hf.commands.convert import expand_preset, recipe_and_run
-from llama_moe_hf.conversion.presets import BEST_PRESET, preset_names, preset_path
+from llama_moe_hf.conversion.presets import BEST_PRESET, preset_names, preset_path, sparsity_presets
 from llama_moe_hf.conversion.recipe import load_recipe
 
 RECIPES = Path(__file__).parents[1] / "recipes" / "convert"
@@ -64,6 +64,7 @@ def test_help_lists_the_presets_and_names_the_measured_best(capsys):
     assert main(["convert", "--help"]) == 0
     text = capsys.readouterr().out
     assert f"use --preset {BEST_PRESET}" in " ".join(text.split())
+    assert f"--preset {' / '.join(sparsity_presets())} " in " ".join(text.split())
     assert all(f"  {name} " in text for name in preset_names())
 
 
@@ -79,3 +80,12 @@ def test_the_best_preset_converts_with_its_settings(tiny_dense, tiny_calibration
         key: value for key, value in expected.items() if not key.startswith("calibration")
     }
     assert saved["calibration_tokens"] == 512 and saved["calibration_samples"] == 512
+
+
+@pytest.mark.parametrize("name", sparsity_presets())
+def test_a_sparsity_preset_keeps_its_share_of_the_ffn_active(name):
+    """`sparse-N`: N% of the FFN neurons active per token, shared experts counted, and every layer converted."""
+    recipe, _ = load_recipe(preset_path(name))
+    share = (recipe.top_k + recipe.num_shared_experts) / (recipe.num_experts + recipe.num_shared_experts)
+    assert share == int(name.removeprefix("sparse-")) / 100
+    assert recipe.moe_layers is None and recipe.heal_tokens > 0

@@ -4,7 +4,7 @@ import dataclasses
 import textwrap
 
 from ..conversion.choices import ROUTER_TYPES
-from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path
+from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path, sparsity_presets
 from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
 from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
 
@@ -41,7 +41,9 @@ def register(subparsers) -> None:
         help="convert a dense LLaMA checkpoint into an MoE checkpoint",
         description="Convert a dense LLaMA checkpoint into an MoE checkpoint folder, streaming one layer at a time. "
         "--preset NAME or --config FILE reads a recipe file (flat YAML of these flags); flags given as well override "
-        f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}.",
+        f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}; for a given "
+        f"share of the FFN active per token (what sets the speed), --preset {' / '.join(sparsity_presets())} (each "
+        "the best measured at its sparsity, healed: docs/quality.md).",
         epilog=presets_text() + "\n\n" + components_text(),
         dataclass_types=[RecipeFields, *option_classes(), RunOptions],
     )

@@ -54,9 +54,10 @@ def build_moe(
     plan.prepare(context)
     if owned:
         context.release()
+    parameter = next(dense_model.parameters())
+    plan.config.dtype = parameter.dtype  # what the tensors become (healing works on them as they will be)
     state = dict(plan.tensors(source, context))
     plan.config.conversion_info = plan.conversion_info(source.description, context)
-    parameter = next(dense_model.parameters())
     with no_init_weights(), torch.device(parameter.device):
         model = plan.family.model_class()(plan.config).to(parameter.dtype)
     missing, _ = model.load_state_dict(state, strict=False)  # copies: the MoE model shares nothing with the dense one

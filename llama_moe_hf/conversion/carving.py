@@ -26,8 +26,9 @@ def activation_markers(
     intermediate_size = gate_proj.shape[0]
     if not 1 <= active_neurons <= intermediate_size:
         raise ValueError(f"--carve-active-neurons must be between 1 and {intermediate_size}, got {active_neurons}.")
-    gate, up = F.normalize(gate_proj.float(), dim=1), F.normalize(up_proj.float(), dim=1)
-    markers = torch.zeros(hidden_states.shape[0], intermediate_size, dtype=torch.bool)
+    device = hidden_states.device
+    gate, up = (F.normalize(w.to(device, torch.float32), dim=1) for w in (gate_proj, up_proj))
+    markers = torch.zeros(hidden_states.shape[0], intermediate_size, dtype=torch.bool, device=device)
     for start in range(0, hidden_states.shape[0], MARKER_CHUNK_TOKENS):
         x = F.normalize(hidden_states[start : start + MARKER_CHUNK_TOKENS].float(), dim=1)
         activation = (F.silu(x @ gate.T) * (x @ up.T)).abs()
@@ -47,7 +48,7 @@ def balanced_assignment(distances: torch.Tensor, size: int) -> torch.Tensor:
     linear assignment of the n items to `size` copies of each of the k columns (CMoE's repeated cost matrix)."""
     from scipy.optimize import linear_sum_assignment
 
-    _, columns = linear_sum_assignment(distances.double().repeat_interleave(size, dim=1).numpy())
+    _, columns = linear_sum_assignment(distances.cpu().double().repeat_interleave(size, dim=1).numpy())
     return torch.from_numpy(columns // size).long()
 
 

@@ -8,14 +8,22 @@ The teacher defaults to the dense model the folder was converted from (its `moe_
 the output until it is written, so running the same command again after an interruption resumes at the next layer.
 """
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .recipe import RECIPE_FILE, RunOptions, load_recipe, save_recipe
+from .recipe import RECIPE_FILE, RecipeFields, RunOptions, load_recipe, save_recipe
 
 logger = logging.getLogger(__name__)
+
+
+def _recipe_field(name: str):
+    """The recipe's field `name` with its default and help, without its "healing: " prefix (one copy of each)."""
+    recipe_field = RecipeFields.__dataclass_fields__[name]
+    help_text = recipe_field.metadata["help"].removeprefix("healing: ")
+    return field(default=recipe_field.default, metadata={"help": help_text})
 
 
 @dataclass(frozen=True)
@@ -28,16 +36,10 @@ class HealOptions:
         metadata={"help": "the dense model: folder, Hub id or .gguf (default: the one the folder was converted from)"},
     )
     heal_tokens: int = field(default=32768, metadata={"help": "calibration tokens to heal on"})
-    heal_epochs: int = field(default=4, metadata={"help": "passes over the heal tokens"})
-    heal_lr: float = field(default=1e-3, metadata={"help": "Adam learning rate"})
-    heal_batch_tokens: int = field(default=512, metadata={"help": "tokens per step"})
-    heal_routing_weight: float = field(
-        default=0.1, metadata={"help": "weight of the term that ranks the experts by what leaving them out costs"}
-    )
-    calibration_data: str | None = field(
-        default=None, metadata={"help": "text/json/jsonl/parquet file or folder, or a datasets name (default: the "
-                                "folder's calibration data)"}
-    )  # fmt: skip
+    heal_epochs: int = _recipe_field("heal_epochs")
+    heal_lr: float = _recipe_field("heal_lr")
+    heal_batch_tokens: int = _recipe_field("heal_batch_tokens")
+    heal_routing_weight: float = _recipe_field("heal_routing_weight")
     device: str | None = field(default=None, metadata={"help": "device (default: cuda if available, else cpu)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder at the end"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
@@ -45,6 +47,7 @@ class HealOptions:
 
 def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
     """Heal the MoE folder `folder` into `options.output`; returns the output folder."""
+    from .healing import state_dir_for
     from .pipeline import _check_not_source, _check_output
     from .sources.converted import open_checkpoint
 
@@ -54,15 +57,15 @@ def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
     recipe, run = _folder_recipe(moe.path)
     teacher = _open_teacher(options.teacher, run, download)
     _check_teacher(moe.config, teacher.config)
+    # The heal tokens come from the folder's own calibration data, so that its recipe file builds it again.
     recipe = replace(
         recipe,
-        calibration_data=options.calibration_data or recipe.calibration_data,
         **{name: getattr(options, name) for name in HealOptions.__dataclass_fields__ if name.startswith("heal_")},
     )
     from .plan import resolve_recipe
 
     resolve_recipe(recipe)  # the heal settings checked like a conversion's
-    state_dir = output.with_name(f".{output.name}.healing")
+    state_dir = state_dir_for(output)
     _write(moe, teacher, recipe, run, options, output, state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     return output
@@ -102,7 +105,7 @@ def _write(moe, teacher, recipe, run: dict, options: HealOptions, output: Path, 
 
     config = moe.config
     model = _meta_model(config)
-    healer = _healer(moe, recipe, options, model, state_dir)
+    healer = _healer(moe, teacher, recipe, options, model, state_dir)
     with atomic_folder(output) as tmp:
         writer = ShardedWriter(tmp, read_shapes(moe.path), moe.dtype, run.get("max_shard_size") or "5GB")
         for name, tensor in _healed_tensors(moe, teacher, healer, options.progress):
@@ -113,7 +116,7 @@ def _write(moe, teacher, recipe, run: dict, options: HealOptions, output: Path, 
         custom_object_save(model, tmp, config=config)
         config.save_pretrained(tmp)
         moe.save_extras(tmp)
-        save_recipe(tmp / RECIPE_FILE, recipe, RunOptions(**{k: v for k, v in run.items() if k != "tokenizer"}))
+        save_recipe(tmp / RECIPE_FILE, recipe, RunOptions(**run))
         _write_card(moe.path, tmp, healer.info()["healing"])
 
 
@@ -125,23 +128,22 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _healer(moe, recipe, options: HealOptions, model, state_dir: Path):
-    import torch
-
+def _healer(moe, teacher, recipe, options: HealOptions, model, state_dir: Path):
     from .calibration import load_calibration_texts, tokenize_calibration
-    from .healing import HealSettings, LayerHealer
+    from .healing import LayerHealer
 
     texts, _ = load_calibration_texts(recipe.calibration_data, max_chars=16 * recipe.heal_tokens)
     tokens = tokenize_calibration(texts, moe.load_tokenizer(), recipe.heal_tokens, recipe.calibration_seq_len)
-    settings = HealSettings(
-        recipe.heal_tokens, recipe.heal_epochs, recipe.heal_lr, recipe.heal_batch_tokens,
-        recipe.heal_routing_weight, recipe.seed,
-    )  # fmt: skip
-    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backbone = model.model
+    identity = json.dumps([_weights_identity(moe.path), teacher.description])
     embeddings = moe.tensor("model.embed_tokens.weight")
-    layer_class, rotary_class = type(backbone.layers[0]), type(backbone.rotary_emb)
-    return LayerHealer(settings, moe.config, layer_class, rotary_class, embeddings, tokens, device, state_dir)
+    return LayerHealer.for_model(recipe, model, embeddings, tokens, options.device, state_dir, identity)
+
+
+def _weights_identity(folder: Path) -> list:
+    """The folder's weight files by name, size and modification time: another folder's, or the same folder's written
+    again, do not resume this one's healing."""
+    files = sorted(folder.glob("*.safetensors*"))
+    return [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files]
 
 
 def _healed_tensors(moe, teacher, healer, progress: bool):

@@ -17,7 +17,7 @@ is left out (G-MoEfication's deviation energy with the current weights): the rou
 towards the experts whose removal costs most (`gmoefication.selector_loss`, the selector's own objective).
 
 The block is trained as it runs in inference (top-k routing, no router noise) with Adam, the same seed per layer:
-the result is deterministic. One decoder layer is in memory at a time, next to the calibration states
+the result is deterministic on CPU. One decoder layer is in memory at a time, next to the calibration states
 (`tokens x hidden x 4` bytes, 75 MB for 32768 tokens of SmolLM2). With a `state_dir`, every healed layer and the states
 after it are saved, so an interrupted run resumes at the next layer.
 """
@@ -38,12 +38,19 @@ STATE_FILE = "healing.json"
 
 @dataclass(frozen=True)
 class HealSettings:
+    """The recipe's `heal_*` fields (their defaults and help live there) and its seed."""
+
     tokens: int  # calibration tokens (whole sequences)
-    epochs: int = 4
-    lr: float = 1e-3
-    batch_tokens: int = 512
-    routing_weight: float = 0.1
-    seed: int = 0
+    epochs: int
+    lr: float
+    batch_tokens: int
+    routing_weight: float
+    seed: int
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "HealSettings":
+        r = recipe
+        return cls(r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed)
 
 
 class LayerHealer:
@@ -53,16 +60,30 @@ class LayerHealer:
     embed_weight: `[V, H]` input embeddings. input_ids: `[N, S]` calibration tokens.
     """
 
-    def __init__(self, settings, config, layer_class, rotary_class, embed_weight, input_ids, device, state_dir=None):
+    def __init__(
+        self, settings, config, layer_class, rotary_class, embed_weight, input_ids, device, state_dir=None, identity=""
+    ):
         self.settings, self.config, self.layer_class = settings, _standalone(config), layer_class
         self.device = torch.device(device)
         self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.identity = identity  # what else the healed weights depend on (source, method...), for resuming
         positions = torch.arange(input_ids.shape[1], device=self.device)[None]
         self.hidden = F.embedding(input_ids.to(self.device), embed_weight.to(self.device, torch.float32))
         rotary = rotary_class(config=self.config).to(self.device)
         self.position_embeddings = rotary(self.hidden[:1], positions)
         self.errors: dict[int, tuple[float, float]] = {}  # layer -> relative MLP error (before, after)
         self.done = self._resume(input_ids) if self.state_dir is not None else -1
+
+    @classmethod
+    def for_model(cls, recipe, model, embed_weight, input_ids, device=None, state_dir=None, identity=""):
+        """The healer of `recipe`'s healing for `model` (the converted model, on any device, meta included), on
+        `device` (None: CUDA when available, else CPU)."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        layer_class, rotary_class = type(model.model.layers[0]), type(model.model.rotary_emb)
+        settings = HealSettings.from_recipe(recipe)
+        return cls(
+            settings, model.config, layer_class, rotary_class, embed_weight, input_ids, device, state_dir, identity
+        )
 
     def heal(self, layer_idx: int, tensors: dict, dense_mlp: dict) -> dict:
         """The layer's tensors (keyed under the layer) with its MoE MLP healed; the states moved past the layer."""
@@ -72,8 +93,9 @@ class LayerHealer:
         with torch.no_grad():
             attended = self._attend(layer)
             inputs = layer.post_attention_layernorm(attended).flatten(0, 1)  # [T, H]
-            targets = _swiglu(inputs, dense_mlp, self.config.hidden_act)
         if _is_moe(layer.mlp):
+            with torch.no_grad():
+                targets = _swiglu(inputs, dense_mlp, self.config.hidden_act)
             before = _relative_error(layer.mlp, inputs, targets)
             _train_block(layer.mlp, inputs, targets, self.settings, layer_idx)
             self.errors[layer_idx] = (before, _relative_error(layer.mlp, inputs, targets))
@@ -113,6 +135,7 @@ class LayerHealer:
     def _fingerprint(self, input_ids) -> str:
         digest = hashlib.sha256(json.dumps(asdict(self.settings), sort_keys=True).encode())
         digest.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        digest.update(self.identity.encode())
         digest.update(input_ids.numpy().tobytes())
         return digest.hexdigest()
 
@@ -126,20 +149,28 @@ class LayerHealer:
         state = json.loads(path.read_text()) if path.is_file() else {}
         if state.get("fingerprint") != self._key:
             return -1
-        self.hidden = load_file(self.state_dir / "hidden.safetensors")["hidden"].to(self.device)
+        self.hidden = load_file(self.state_dir / f"hidden_{state['layer']}.safetensors")["hidden"].to(self.device)
         self.errors = {int(k): tuple(v) for k, v in state["errors"].items()}
         logger.info("Healing resumes after layer %d (%s).", state["layer"], self.state_dir)
         return state["layer"]
 
     def _save(self, layer_idx: int, healed: dict) -> None:
-        """The healed layer, then the states after it, then the record naming the layer (each write atomic), so a
-        record never points at missing files."""
+        """The healed layer and the states after it, then the record naming the layer (each write atomic), then the
+        states before it removed: whenever the run stops, the record names a layer whose files are all there."""
         from safetensors.torch import save_file
 
         _atomic(self.state_dir / f"layer_{layer_idx}.safetensors", lambda p: save_file(healed, p))
-        _atomic(self.state_dir / "hidden.safetensors", lambda p: save_file({"hidden": self.hidden.cpu()}, p))
+        states = {"hidden": self.hidden.cpu()}
+        _atomic(self.state_dir / f"hidden_{layer_idx}.safetensors", lambda p: save_file(states, p))
         record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors}
         _atomic(self.state_dir / STATE_FILE, lambda p: Path(p).write_text(json.dumps(record)))
+        (self.state_dir / f"hidden_{layer_idx - 1}.safetensors").unlink(missing_ok=True)
+
+
+def state_dir_for(output: Path) -> Path:
+    """Where healing keeps its per-layer progress until `output` is written: beside it, hidden."""
+    output = Path(output).expanduser().resolve()
+    return output.with_name(f".{output.name}.healing")
 
 
 def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: HealSettings, layer_idx: int) -> None:

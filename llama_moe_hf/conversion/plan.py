@@ -7,6 +7,7 @@ plan.tensors(source, context)           the output checkpoint's tensors, one dec
 """
 
 import dataclasses
+import json
 from collections.abc import Iterator
 
 from .calibration import data_path
@@ -289,15 +290,15 @@ class ConversionPlan:
 
         embeddings = source.tensor("model.embed_tokens.weight")
         yield self._checked("model.embed_tokens.weight", embeddings)
-        self.healer = self._healer(embeddings, context) if self.recipe.heal_tokens else None
+        self.healer = self._healer(embeddings, context, source) if self.recipe.heal_tokens else None
         layers = range(self.config.num_hidden_layers)
         what = "Converting and healing layers" if self.healer else "Converting layers"
         for layer_idx in tqdm(layers, desc=what, unit="layer", disable=not progress):
             prefix = f"model.layers.{layer_idx}."
             dense = {name[len(prefix) :]: source.tensor(name) for name in source.layer_names(layer_idx)}
             tensors = self.layer_tensors(layer_idx, dense, context)
-            if self.healer is not None:
-                tensors = self.healer.heal(layer_idx, tensors, dense)
+            if self.healer is not None:  # on the tensors as written, so that healing later gives the same
+                tensors = self.healer.heal(layer_idx, {k: v.to(self.config.dtype) for k, v in tensors.items()}, dense)
             for name, tensor in tensors.items():
                 yield self._checked(prefix + name, tensor)
         yield self._checked("model.norm.weight", source.tensor("model.norm.weight"))
@@ -306,39 +307,23 @@ class ConversionPlan:
         for method, router in self.components.values():
             method.finish(context)
 
-    def _healer(self, embeddings, context):
-        """The `LayerHealer` of this write: the heal tokens of the calibration data, on the run's device (else CUDA
-        when available), resuming from `heal_state_dir` when an interrupted run left it."""
-        import torch
+    def _healer(self, embeddings, context, source):
+        """The `LayerHealer` of this write: the heal tokens of the calibration data, on the run's device, resuming
+        from `heal_state_dir` when an interrupted run of the same conversion left it."""
+        from .healing import LayerHealer
 
-        from .healing import HealSettings, LayerHealer
-
-        r = self.recipe
-        settings = HealSettings(
-            r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed
-        )
-        device = self.run.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        backbone = self.meta_model.model
-        return LayerHealer(
-            settings,
-            self.config,
-            type(backbone.layers[0]),
-            type(backbone.rotary_emb),
-            embeddings,
-            context.tokens(r.heal_tokens),
-            device,
-            state_dir=self.heal_state_dir,
+        identity = json.dumps([dataclasses.asdict(self.asked), source.description], default=str)
+        tokens = context.tokens(self.recipe.heal_tokens)
+        return LayerHealer.for_model(
+            self.recipe, self.meta_model, embeddings, tokens, self.run.device, self.heal_state_dir, identity
         )
 
     @property
     def heal_state_dir(self):
-        """Where healing keeps its per-layer progress until the output is written: beside the output, hidden."""
-        from pathlib import Path
+        """Where healing keeps its per-layer progress until the output is written (None: no healing)."""
+        from .healing import state_dir_for
 
-        if not (self.recipe.heal_tokens and self.run.output):
-            return None
-        output = Path(self.run.output).expanduser().resolve()
-        return output.with_name(f".{output.name}.healing")
+        return state_dir_for(self.run.output) if self.recipe.heal_tokens and self.run.output else None
 
     def layer_tensors(self, layer_idx: int, dense: dict, context) -> dict:
         """One decoder layer's output tensors (keyed under the layer) from its dense tensors."""

@@ -19,6 +19,12 @@ def preset_names() -> list[str]:
     return sorted(path.stem for path in PRESETS_DIR.glob("*.yaml"))
 
 
+def sparsity_presets() -> list[str]:
+    """`sparse-N`: the best measured recipe with N% of the FFN neurons active per token, by increasing N."""
+    names = [name for name in preset_names() if name.startswith("sparse-") and name[7:].isdigit()]
+    return sorted(names, key=lambda name: int(name[7:]))
+
+
 def preset_path(name: str) -> Path:
     """The recipe file of preset `name`; one ValueError naming the presets for an unknown name."""
     path = PRESETS_DIR / f"{name}.yaml"

@@ -77,7 +77,7 @@ class RecipeFields:
         },
     )
     heal_epochs: int = dataclasses.field(default=4, metadata={"help": "healing: passes over the heal tokens"})
-    heal_lr: float = dataclasses.field(default=1e-3, metadata={"help": "healing: Adam learning rate"})
+    heal_lr: float = dataclasses.field(default=3e-3, metadata={"help": "healing: Adam learning rate"})
     heal_batch_tokens: int = dataclasses.field(default=512, metadata={"help": "healing: tokens per step"})
     heal_routing_weight: float = dataclasses.field(
         default=0.1,

@@ -4,6 +4,7 @@ ShardedWriter   tensors go to disk as they are produced, shard by shard, named a
 atomic_folder   everything is written into a temporary folder that replaces the output only when complete
 """
 
+import contextlib
 import json
 import math
 import os
@@ -186,7 +187,8 @@ def atomic_folder(output: Path) -> Iterator[Path]:
         if old.exists() and not output.exists():  # interrupted between the two renames: restore the old folder
             old.rename(output)
         shutil.rmtree(tmp, ignore_errors=True)
-        if created:  # the outermost missing parent folder we created
-            shutil.rmtree(created[-1], ignore_errors=True)
+        for folder in created:  # the parent folders we created, innermost first, unless something else is in them
+            with contextlib.suppress(OSError):  # (healing's progress, kept for the next run, lives beside the output)
+                folder.rmdir()
         raise
     shutil.rmtree(old, ignore_errors=True)

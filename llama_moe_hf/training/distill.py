@@ -165,18 +165,20 @@ def distillation_kl(student_logits, teacher_logits, temperature: float = 1.0, to
     backward pass from the teacher is k + 1 probabilities per position instead of V."""
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
     teacher_logits = teacher_logits.float() / temperature
-    if top_k is None:
+    if top_k is None or top_k >= teacher_logits.shape[-1]:
         return F.kl_div(student, F.log_softmax(teacher_logits, dim=-1), reduction="none", log_target=True).sum(-1)
     with torch.no_grad():
-        values, index = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1)
+        values, index = teacher_logits.topk(top_k, dim=-1)
         normaliser = teacher_logits.logsumexp(-1, keepdim=True)
         teacher_top = values - normaliser
-        # The rest's mass from the logits outside the top k (exactly 0 at k = V, not 1 - sum up to rounding).
+        # The rest's mass from the logits outside the top k (not 1 - sum, which cancels).
         teacher_rest = (teacher_logits.scatter(-1, index, -torch.inf).logsumexp(-1) - normaliser[..., 0]).exp()
     student_top = student.gather(-1, index)
-    student_rest = (1 - student_top.exp().sum(-1)).clamp_min(torch.finfo(student.dtype).tiny)
+    # log of the student's rest from the logits outside the top k, not log(1 - sum): that cancels (and its gradient
+    # blows up) when the top k hold nearly all the mass.
+    student_rest = student.scatter(-1, index, -torch.inf).logsumexp(-1)
     kl = (teacher_top.exp() * (teacher_top - student_top)).sum(-1)
-    return kl + torch.xlogy(teacher_rest, teacher_rest) - teacher_rest * student_rest.log()
+    return kl + torch.xlogy(teacher_rest, teacher_rest) - teacher_rest * student_rest
 
 
 def hidden_distance(student_states, teacher_states, layers, kind: str = "cosine"):
