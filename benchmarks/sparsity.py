@@ -11,6 +11,7 @@ Each row is appended to `--output` (JSON lines) as soon as it is measured.
 
     python benchmarks/sparsity.py --output sparsity.jsonl                           # the whole grid
     python benchmarks/sparsity.py --methods cluster --sparsity 25 --heal 0 32768    # one method, with healing
+    python benchmarks/sparsity.py --table sparsity.jsonl                            # the rows as a markdown table
 """
 
 import argparse
@@ -56,15 +57,31 @@ def measure(dense, tokenizer, context, tokens, fields: dict, heal: int) -> dict:
     return {"seconds": round(seconds, 1), "perplexity": result, "healing": info}
 
 
+def print_table(paths: list[str]) -> None:
+    """The rows of JSON-lines files as one markdown table, by sparsity, then tutorial ratio."""
+    rows = [json.loads(line) for path in paths for line in open(path) if '"method"' in line]
+    print("| active | method | router | healed on | tutorial | howto | build s |\n|---|---|---|---|---|---|---|")
+    for row in sorted(rows, key=lambda r: (r["sparsity"], r["ratio"]["tutorial"])):
+        healed = f"{row['heal_tokens']:,}" if row["heal_tokens"] else "-"
+        cells = [f"{row['sparsity']}%", row["method"], row["router"], healed]
+        cells += [f"{row['ratio']['tutorial']:.2f}x", f"{row['ratio']['howto']:.2f}x", f"{row['seconds']:.0f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(SHARED))
     parser.add_argument("--sparsity", nargs="+", type=int, default=[25, 50, 75])
     parser.add_argument("--routers", nargs="+", default=["selector"], help="router inits (analytical: carve only)")
     parser.add_argument("--heal", nargs="+", type=int, default=[0], help="heal tokens per row (0: training-free)")
-    parser.add_argument("--output", required=True, help="JSON lines, one per row")
+    parser.add_argument("--output", help="JSON lines, one per row")
+    parser.add_argument("--table", nargs="+", help="print these JSON-lines files as a markdown table and stop")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.table:
+        return print_table(args.table)
+    if not args.output:
+        parser.error("--output is required to measure")
     torch.set_num_threads(args.threads)
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
