@@ -173,7 +173,8 @@ def test_defaults_are_resolved_without_changing_the_recipe_given():
     resolved = resolve_recipe(given)
     assert given.router_init is None and given.options == {}  # untouched (and frozen)
     assert (resolved.family, resolved.router_init, resolved.router_type) == ("llama_moe", "kmeans", "top_k")
-    assert resolved.score_scale_factor == 7.0
+    assert resolved.score_scale_factor == 1.0  # the residual split's own default, not v1's N/k
+    assert resolve_recipe(MoERecipe(method="random", num_experts=8, top_k=2)).score_scale_factor == 4.0
     selector = resolve_recipe(MoERecipe(router_init="selector"))
     assert (selector.router_type, selector.score_scale_factor) == ("selector", 1.0)
     assert selector.options == {"selector_steps": 100, "selector_objective": "listwise"}
