@@ -67,7 +67,7 @@ def measure(args) -> dict:
 
 
 def preset_model(name: str, dense, tokenizer):
-    """A model with preset `name`'s layout (experts, shared experts, top-k, router, compensation), calibrated on 512
+    """A model with preset `name`'s layout (experts, shared experts, top-k, router, compensation), calibrated on 4096
     tokens, its selector barely trained and not healed: the speed of a layout does not depend on how well its weights
     were chosen."""
     from llama_moe_hf import build_moe  # noqa: F811 (measure's is local to it)
@@ -75,7 +75,7 @@ def preset_model(name: str, dense, tokenizer):
     from llama_moe_hf.conversion.recipe import load_recipe
 
     recipe, _ = load_recipe(preset_path(name))
-    fast = dict(calibration_tokens=512, calibration_samples=512, heal_tokens=0)
+    fast = dict(calibration_tokens=4096, calibration_samples=4096, heal_tokens=0)  # 16 sequences: enough to group
     if recipe.router_init == "selector":
         fast["selector_steps"] = 1
     return build_moe(dense, recipe, tokenizer=tokenizer, **fast)
