@@ -39,7 +39,10 @@ class RecipeFields:
     num_shared_experts: int = dataclasses.field(default=0, metadata={"help": "always-on experts (split methods)"})
     score_scale_factor: float | None = dataclasses.field(
         default=None,
-        metadata={"help": "expert output scale (default: N/k for the random, cluster and sharing splits; 1.0 for residual, carve, upcycling and selectors)"},
+        metadata={
+            "help": "expert output scale (default: N/k for splits but residual; 1.0 for residual, upcycling and "
+            "selector or analytical routers)"
+        },
     )
     router_type: str | None = dataclasses.field(
         default=None, metadata={"help": "gate of the routers (default: what the router init needs, else top_k)"}
