@@ -1,13 +1,17 @@
 """Recovery plot: held-out perplexity per domain against tokens seen during continual pre-training, next to the dense
-model's on the same held-out blocks (docs/training.md).
+model's on the same held-out blocks (docs/training.md). One run, or several from the same start compared (LM loss
+against distillation, docs/quality.md):
 
     python benchmarks/recovery.py --trained outputs/smollm2-moe-cpt
+    python benchmarks/recovery.py --trained lm=outputs/r25-lm distill=outputs/r25-distill \
+        heal+distill=outputs/r25-heal-distill --output docs/images/recovery_25.png
 
-Reads the trained folder's `trainer_log.json` (its evaluations; train with `--eval_on_start true` to have the
+Reads each trained folder's `trainer_log.json` (its evaluations; train with `--eval_on_start true` to have the
 training-free conversion at 0 tokens) and `training_history.json` (tokens per step, block length, blocks
 evaluated); scores the dense built-in model (or --dense) on the same held-out blocks, rebuilt from the recipe's
-held-out files (--recipe). Writes `recovery.png` and `recovery.json` into
---trained.
+held-out files (--recipe). Writes the plot and a JSON file beside it (default: `recovery.png` and `recovery.json` in
+the one trained folder) and prints, per run and domain, the perplexity as a ratio to the dense model's and the first
+evaluated token count where it is within 2x and 1.5x of it.
 """
 
 import argparse
@@ -30,13 +34,31 @@ def held_out_blocks(recipe: Path, tokenizer, seq_len: int, eval_blocks: int) -> 
     return {domain.name: domain.held_out[:eval_blocks] for domain in load_domains(args, tokenizer)}
 
 
+def run_curves(trained: Path) -> tuple[dict, dict]:
+    """(the last stage's record, {domain: [(tokens, perplexity), ...]}) from a trained folder's logs; the final
+    evaluation repeats the last scheduled one at the same step: one point per step."""
+    (stage,) = json.loads((trained / "training_history.json").read_text())[-1:]
+    tokens_per_step = stage["tokens"] / stage["steps"]
+    log = json.loads((trained / "trainer_log.json").read_text())
+    names = sorted({key[5:-5] for entry in log for key in entry if key.startswith("eval_") and key.endswith("_loss")})
+    curves = {}
+    for name in names:
+        points = {e["step"]: math.exp(e[f"eval_{name}_loss"]) for e in log if f"eval_{name}_loss" in e}
+        curves[name] = [(step * tokens_per_step, perplexity) for step, perplexity in sorted(points.items())]
+    return stage, curves
+
+
+def reached(points: list, dense: float, ratio: float) -> float | None:
+    """The first evaluated token count with perplexity within `ratio` x dense (None: never)."""
+    return next((tokens for tokens, perplexity in points if perplexity <= ratio * dense), None)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trained", required=True)
+    parser.add_argument("--trained", required=True, nargs="+", help="FOLDER, or NAME=FOLDER per run")
     parser.add_argument("--recipe", default="recipes/pretrain/llama-moe-v1.yaml")
     parser.add_argument("--dense", default=None, help="dense model folder (default: the built-in model)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the training's")
-    parser.add_argument("--eval-blocks", type=int, default=None, help="default: the training's")
+    parser.add_argument("--output", default=None, help="plot path (default: recovery.png in the one trained folder)")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,41 +66,42 @@ def main(argv=None) -> None:
     from llama_moe_hf.conversion.sources import default_model_path
     from llama_moe_hf.training.sampling import domain_losses
 
-    trained = Path(args.trained)
-    (stage,) = json.loads((trained / "training_history.json").read_text())[-1:]
-    tokens_per_step = stage["tokens"] / stage["steps"]
-    log = json.loads((trained / "trainer_log.json").read_text())
+    runs = dict(spec.partition("=")[::2] if "=" in spec else (Path(spec).name, spec) for spec in args.trained)
+    recorded = {name: run_curves(Path(folder)) for name, folder in runs.items()}
+    stage = next(iter(recorded.values()))[0]
     dense_path = args.dense or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(dense_path)
-    seq_len, eval_blocks = args.seq_len or stage["seq_len"], args.eval_blocks or stage["eval_blocks"]
-    blocks = held_out_blocks(Path(args.recipe), tokenizer, seq_len, eval_blocks)
+    blocks = held_out_blocks(Path(args.recipe), tokenizer, stage["seq_len"], stage["eval_blocks"])
     dense = AutoModelForCausalLM.from_pretrained(dense_path, dtype=torch.float32)
-    dense_loss = dict(zip(blocks, domain_losses(dense, list(blocks.values())).tolist()))
+    dense_ppl = {n: math.exp(v) for n, v in zip(blocks, domain_losses(dense, list(blocks.values())).tolist())}
 
-    curves = {}  # the final evaluation repeats the last scheduled one at the same step: one point per step
-    for name in blocks:
-        points = {e["step"]: math.exp(e[f"eval_{name}_loss"]) for e in log if f"eval_{name}_loss" in e}
-        curves[name] = [(step * tokens_per_step, perplexity) for step, perplexity in sorted(points.items())]
-    result = {"dense_perplexity": {n: math.exp(v) for n, v in dense_loss.items()}, "curves": curves}
-    (trained / "recovery.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(curves, result["dense_perplexity"], trained / "recovery.png")
-    for name, points in curves.items():
-        (_, first), (tokens, last) = points[0], points[-1]
-        dense_ppl = result["dense_perplexity"][name]
-        print(f"{name}: {first:.1f} -> {last:.1f} after {tokens:,.0f} tokens (dense {dense_ppl:.1f})")
+    output = Path(args.output) if args.output else Path(next(iter(runs.values()))) / "recovery.png"
+    result = {"dense_perplexity": dense_ppl, "runs": {name: curves for name, (_, curves) in recorded.items()}}
+    output.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    plot({name: curves for name, (_, curves) in recorded.items()}, dense_ppl, output)
+    for run, (_, curves) in recorded.items():
+        for name, points in curves.items():
+            (_, first), (tokens, last) = points[0], points[-1]
+            marks = {r: reached(points, dense_ppl[name], r) for r in (2.0, 1.5)}
+            when = ", ".join(f"{r}x at {t:,.0f}" if t is not None else f"{r}x not reached" for r, t in marks.items())
+            ratios = f"{first / dense_ppl[name]:.2f}x -> {last / dense_ppl[name]:.2f}x"
+            summary = f"{run} {name}: {first:.1f} -> {last:.1f} after {tokens:,.0f} tokens, dense {dense_ppl[name]:.1f}"
+            print(f"{summary}: {ratios}; {when}")
 
 
-def plot(curves: dict, dense: dict, path: Path) -> None:
+def plot(runs: dict, dense: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4))
-    for axis, (name, points) in zip(axes, curves.items()):
-        label = "MoE: training-free at 0, then continual pre-training"
-        axis.plot([t / 1000 for t, _ in points], [p for _, p in points], marker="o", label=label)
-        axis.axhline(dense[name], color="black", linestyle="--", label="dense model (= the upcycled MoE)")
+    fig, axes = plt.subplots(1, len(dense), figsize=(4 * len(dense), 3.4))
+    for axis, name in zip(axes, dense):
+        for run, curves in runs.items():
+            points = curves[name]
+            label = run if len(runs) > 1 else "MoE: training-free at 0, then continual pre-training"
+            axis.plot([t / 1000 for t, _ in points], [p for _, p in points], marker="o", markersize=3, label=label)
+        axis.axhline(dense[name], color="black", linestyle="--", label="dense model")
         axis.set_yscale("log")
         axis.set_title(f"{name}: held-out perplexity", fontsize=9)
         axis.set_xlabel("training tokens (thousands)")

@@ -16,11 +16,17 @@ the same schedule settings; the second starts a fresh optimizer (as upcycling do
 parameters) and the dense baseline does the same, so the only difference between the variants is the upcycling.
 Writes the final model as a complete checkpoint (training history and card) and `results.json` (validation
 perplexity, tokens/s, expert utilisation) to --output_dir.
+
+With a `save_strategy`, each stage writes its checkpoints under --output_dir (`dense-warmup/`, `upcycled/`), and the
+end of the warm-up its weights and random state: the same command run again after a kill continues where the newest
+complete checkpoint left off, and ends with the weights of an uninterrupted run (`--overwrite_output_dir true` starts
+over).
 """
 
 import dataclasses
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,11 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from llama_moe_hf import SoapMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.calibration import load_calibration_texts
-from llama_moe_hf.conversion.writer import atomic_file
+from llama_moe_hf.conversion.writer import atomic_file, atomic_folder
 from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
 from llama_moe_hf.parsing import Parser
 from llama_moe_hf.preflight import check_training
@@ -40,6 +47,9 @@ from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
+from llama_moe_hf.training.resume import LATEST, NEVER, ResumableCheckpointsMixin, resume_checkpoint
+
+WARMUP, UPCYCLED = "dense-warmup", "upcycled"  # the stages' folders under output_dir
 
 
 @dataclass
@@ -65,6 +75,10 @@ class SoapPretrainArguments:
     merge_top_k: int | None = field(default=None, metadata={"help": "merge only the top-k experts (default: all)"})
     upcycle_noise: float = field(default=0.0, metadata={"help": "noise on the expert copies (fraction of std)"})
     validation_sequences: int = field(default=64, metadata={"help": "validation sequences evaluated at most"})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "start at step 0 and remove what an earlier run left in output_dir (default: resume)"},
+    )
 
 
 def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]:
@@ -104,7 +118,7 @@ def dense_model(args: SoapPretrainArguments, tokenizer, seed: int) -> LlamaForCa
     return LlamaForCausalLM(config)
 
 
-class RoutingTrainer(Trainer):
+class RoutingTrainer(ResumableCheckpointsMixin, Trainer):
     """Adds the SOAP layers' expert utilisation on a fixed validation batch to every training log line."""
 
     routing_batch: torch.Tensor | None = None
@@ -131,14 +145,34 @@ def routing_statistics(model: SoapMoEForCausalLM, input_ids: torch.Tensor) -> di
     }
 
 
-def train_stage(model, training: TrainingArguments, train: Dataset, steps: int, seed: int, routing_batch):
-    """`steps` optimiser steps of `model` on `train` (data order from `seed`); returns (trainer, seconds)."""
-    stage_args = dataclasses.replace(training, max_steps=steps, seed=seed, save_strategy="no")
+def train_stage(model, training: TrainingArguments, train: Dataset, steps: int, seed: int, routing_batch, stage: str):
+    """`steps` optimiser steps of `model` on `train` (data order from `seed`), resumed from the stage's newest complete
+    checkpoint under `output_dir/stage` when there is one; returns (trainer, seconds)."""
+    folder = str(Path(training.output_dir) / stage)
+    stage_args = dataclasses.replace(training, max_steps=steps, seed=seed, output_dir=folder)
+    checkpoint = resume_checkpoint(stage_args) if training.save_strategy != "no" else None
     trainer = RoutingTrainer(model=model, args=stage_args, train_dataset=train)
     trainer.routing_batch = routing_batch
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint)
     return trainer, time.perf_counter() - start
+
+
+def warm_up(model, training: TrainingArguments, train: Dataset, steps: int, routing_batch) -> float:
+    """The dense warm-up, or what a finished one saved (its weights and the random state upcycling starts from);
+    returns its seconds. Saved when checkpoints are asked for, so a run killed after it does not repeat it."""
+    done = Path(training.output_dir) / WARMUP / "final"
+    if (done / "model.safetensors").is_file():
+        load_model(model, done / "model.safetensors")
+        torch.set_rng_state(load_file(done / "random_state.safetensors")["torch"])
+        return json.loads((done / "seconds.json").read_text())["seconds"]
+    trainer, seconds = train_stage(model, training, train, steps, training.seed, routing_batch, WARMUP)
+    if training.save_strategy != "no" and trainer.is_world_process_zero():
+        with atomic_folder(done) as tmp:
+            save_model(model, tmp / "model.safetensors")  # the tied embeddings once
+            save_file({"torch": torch.get_rng_state()}, tmp / "random_state.safetensors")
+            (tmp / "seconds.json").write_text(json.dumps({"seconds": seconds}))
+    return seconds
 
 
 def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForCausalLM:
@@ -149,18 +183,25 @@ def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForC
 
 
 def main(argv=None) -> None:
-    parser = Parser((SoapPretrainArguments, TrainingArguments), preflight=check_training)
+    parser = Parser((SoapPretrainArguments, TrainingArguments), preflight=_preflight)
     args, training = parser.parse_args_and_config(argv)
+    asked = training.resume_from_checkpoint
+    start_over = args.overwrite_output_dir or (asked is not None and str(asked).lower() in NEVER)
+    with training.main_process_first(desc="removing the stages of an earlier run"):
+        if start_over and training.process_index == 0:
+            for stage in (WARMUP, UPCYCLED):
+                shutil.rmtree(Path(training.output_dir) / stage, ignore_errors=True)
+    training = dataclasses.replace(training, resume_from_checkpoint=None)  # each stage: its newest checkpoint
     tokenizer = load_tokenizer(args.tokenizer)
     train, validation = load_data(args, tokenizer)
     routing_batch = torch.tensor(validation[:4]["input_ids"])
     model = dense_model(args, tokenizer, training.seed)
     warm_steps = max(1, round(args.dense_fraction * training.max_steps))
-    _, warm_seconds = train_stage(model, training, train, warm_steps, training.seed, routing_batch)
+    warm_seconds = warm_up(model, training, train, warm_steps, routing_batch)
     if args.variant == "soap":
         model = upcycle(model, args)
     steps = training.max_steps - warm_steps
-    trainer, seconds = train_stage(model, training, train, steps, training.seed + 1, routing_batch)
+    trainer, seconds = train_stage(model, training, train, steps, training.seed + 1, routing_batch, UPCYCLED)
     results = evaluate(trainer, model, args, validation, routing_batch)
     tokens = training.max_steps * training.per_device_train_batch_size * training.world_size * args.seq_len
     tokens *= training.gradient_accumulation_steps
@@ -179,6 +220,12 @@ def main(argv=None) -> None:
         with atomic_file(Path(training.output_dir) / "results.json") as path:
             path.write_text(json.dumps(results, indent=2))
         print(json.dumps({k: v for k, v in results.items() if k != "arguments"}))
+
+
+def _preflight(values) -> None:
+    check_training(values)
+    if values.resume_from_checkpoint is not None and str(values.resume_from_checkpoint).lower() not in LATEST + NEVER:
+        raise ValueError("resume_from_checkpoint: this recipe resumes both stages from output_dir; give true or false.")
 
 
 def evaluate(trainer, model, args, validation: Dataset, routing_batch) -> dict:

@@ -1,14 +1,18 @@
-"""Shared fixtures: the real SmolLM2 model and text, and a tiny dense checkpoint on disk. Helpers: helpers.py."""
+"""Shared fixtures: the real SmolLM2 model and text, tiny dense and MoE checkpoints and training domains on disk.
+Helpers: helpers.py."""
+
+import json
 
 import pytest
 import torch
 import transformers
-from helpers import logits, save_tiny_dense
+from helpers import logits, save_tiny_dense, save_tiny_moe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
 from llama_moe_hf.conversion.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.sources import default_model_path
+from llama_moe_hf.training.offline_data import stdlib_functions
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -51,6 +55,24 @@ def tiny_dense(tmp_path_factory):
 def tiny_calibration(tiny_dense):
     """The calibration text file beside `tiny_dense`."""
     return tiny_dense[0].parent / "calibration.txt"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory):
+    """A tiny converted checkpoint (character tokenizer with a chat template). Tests must not modify it."""
+    path = tmp_path_factory.mktemp("tiny_moe") / "model"
+    save_tiny_moe(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def domains(tmp_path_factory, real_text) -> dict[str, str]:
+    """Two real training domains as JSON lines files: prose (stdlib docstrings) and code (stdlib functions' source)."""
+    root = tmp_path_factory.mktemp("domains")
+    rows = {"prose": real_text[:150], "code": [item[3] for item in stdlib_functions(150)]}
+    for name, texts in rows.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return {name: str(root / f"{name}.jsonl") for name in rows}
 
 
 @pytest.fixture

@@ -277,6 +277,20 @@ def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
     )
 
 
+def test_a_router_with_no_known_exact_mapping_is_refused_not_exported_as_top_k(converted):
+    """A gate added to the registry later is refused until a target states how it maps, rather than being written
+    as the softmax top-k the targets compute."""
+    from transformers import AutoConfig
+
+    from llama_moe_hf.export.base import check_llama_moe
+
+    config = AutoConfig.from_pretrained(converted["random"])
+    assert check_llama_moe(config) == []
+    object.__setattr__(config, "router_type", "future_gate")
+    with pytest.raises(ValueError, match="Cannot export router_type 'future_gate'.*no exact mapping"):
+        check_llama_moe(config)
+
+
 def test_half_precision_export_notes_the_routers_precision(converted, tmp_path):
     from safetensors import safe_open
 

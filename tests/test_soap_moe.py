@@ -148,6 +148,29 @@ def test_padding_is_left_out_of_the_segment_means():
     torch.testing.assert_close(padded[1:], logits(model, long), atol=1e-5, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_left_padding_changes_nothing_segments_count_from_each_rows_first_token():
+    """A left-padded batch gives each row the logits it has alone, and batched generation (segment borders crossed
+    at different steps in each row) the tokens and scores of one-by-one generation."""
+    model = soap_model(routing_mode="segment")
+    short, long = token_ids(batch=1, length=SEGMENT + 3, seed=3), token_ids(batch=1, length=2 * SEGMENT + 5, seed=4)
+    pad = long.shape[1] - short.shape[1]
+    batch = torch.cat([torch.nn.functional.pad(short, (pad, 0)), long])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    padded = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(padded[:1, pad:], logits(model, short), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[1:], logits(model, long), atol=1e-5, rtol=1e-4)
+
+    kwargs = dict(max_new_tokens=2 * SEGMENT, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    together = model.generate(batch, attention_mask=mask, pad_token_id=0, **kwargs)
+    for row, prompt in enumerate([short, long]):
+        alone = model.generate(prompt, pad_token_id=0, **kwargs)
+        assert torch.equal(together.sequences[row, batch.shape[1] :], alone.sequences[0, prompt.shape[1] :])
+        scores = torch.stack(together.scores)[:, row]
+        torch.testing.assert_close(scores, torch.stack(alone.scores)[:, 0], atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------------

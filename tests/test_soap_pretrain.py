@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 ROOT = Path(__file__).parents[1]
@@ -51,3 +53,23 @@ def test_recipe_runs_on_two_cpu_processes_with_torchrun(tmp_path, smollm2_path):
     assert (
         stage["world_size"] == 2 and "| 1 | soap-pretraining (soap) |" in (tmp_path / "out" / "README.md").read_text()
     )
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, smollm2_path):
+    """Checkpoints every 4 steps; SIGKILL in the middle of the upcycled stage's step 9 (tests/resume_script.py), then
+    the same command: it skips the finished warm-up, resumes the upcycled stage from its checkpoint 8, and ends with
+    the uninterrupted run's weights."""
+    launcher = [sys.executable, str(Path(__file__).parent / "resume_script.py")]
+    flags = ["--save_strategy", "steps", "--save_steps", "4"]
+    run_recipe(launcher, tmp_path / "whole", *flags)
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILL_AT="step:8")
+    command = [*launcher, str(RECIPE), *TINY, "--output_dir", str(tmp_path / "out"), *flags]
+    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert killed.returncode != 0 and (tmp_path / "out" / "dense-warmup" / "final" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "out" / "upcycled").glob("checkpoint-*")) == [
+        "checkpoint-4",
+        "checkpoint-8",
+    ]
+    run_recipe(launcher, tmp_path / "out", *flags)
+    whole, out = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert whole.keys() == out.keys() and all(torch.equal(whole[name], out[name]) for name in whole)

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_as_remote_code, logits, save_tiny_moe, token_batch
+from helpers import load_as_remote_code, logits, token_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
 from llama_moe_hf.training.checkpoint import HISTORY_FILE
 from llama_moe_hf.training.mixture import load_domain, resolve_weights, sheared_llama_update
-from llama_moe_hf.training.offline_data import OfflineDataOptions, build_offline_data, stdlib_functions
+from llama_moe_hf.training.offline_data import OfflineDataOptions, build_offline_data
 from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
 from llama_moe_hf.training.sampling import domain_losses
 from llama_moe_hf.training.sft import MoESFTArguments, build_sft_trainer, run_sft
@@ -33,14 +33,6 @@ def umask_022():
     previous = os.umask(0o022)
     yield
     os.umask(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_path(tmp_path_factory):
-    """A tiny converted checkpoint (character tokenizer with a chat template). Tests must not modify it."""
-    path = tmp_path_factory.mktemp("tiny_moe") / "model"
-    save_tiny_moe(path)
-    return path
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -83,15 +75,6 @@ def _assert_complete_checkpoint(folder: Path, model, stages: int) -> list[dict]:
     assert all(f"| {number} | {stage['recipe']} |" in card for number, stage in enumerate(history, 1))
     assert str(folder.parent) not in card  # no local paths in a card that may be published
     return history
-
-
-@pytest.fixture(scope="module")
-def domains(tmp_path_factory, real_text):
-    """Two real domains as JSON lines: prose (stdlib docstrings) and code (stdlib functions' source)."""
-    root = tmp_path_factory.mktemp("domains")
-    prose = _write_jsonl(root / "prose.jsonl", [{"text": text} for text in real_text[:150]])
-    code = _write_jsonl(root / "code.jsonl", [{"text": item[3]} for item in stdlib_functions(150)])
-    return {"prose": prose, "code": code}
 
 
 def test_continual_pretraining_lowers_held_out_loss_and_saves_a_complete_checkpoint(

@@ -58,6 +58,8 @@ REFUSED_ROUTERS = {
     "analytical": "CMoE's router scores experts by a SwiGLU activation, |silu(x . g) * (x . u)|, and weights every "
     "chosen expert 1 (at conversion), where the targets' routers weight them by a softmax of linear logits",
 }
+# Routers the targets compute exactly: softmax top-k, renormalised (top_k) or not (switch).
+EXACT_ROUTERS = ("top_k", "switch")
 # Routers that compute exactly top-k softmax routing at inference, and why.
 INFERENCE_TOP_K = {
     "noisy_top_k": "router_type 'noisy_top_k' is exported as its inference routing, softmax top-k: its learned "
@@ -110,6 +112,12 @@ def check_llama_moe(config) -> list[str]:
     if config.router_type in REFUSED_ROUTERS:
         raise ValueError(
             f"Cannot export router_type {config.router_type!r} exactly: {REFUSED_ROUTERS[config.router_type]}."
+        )
+    if config.router_type not in EXACT_ROUTERS and config.router_type not in INFERENCE_TOP_K:
+        raise ValueError(
+            f"Cannot export router_type {config.router_type!r}: the targets route by a softmax top-k of linear "
+            f"logits ({', '.join(EXACT_ROUTERS + tuple(INFERENCE_TOP_K))} map onto it), and no exact mapping of this "
+            "router is known."
         )
     if config.attention_bias or config.mlp_bias:
         raise ValueError(

@@ -256,11 +256,23 @@ class SoapRoutingState:
 @dataclass
 class SoapRoutingContext:
     """What every SOAP layer needs to know about the forward: the padding mask of its tokens [B, T] (None: no
-    padding), how many tokens the cache already holds, and the per-layer generation states (None: no cache)."""
+    padding), how many tokens the cache already holds, how many of them are real tokens in each row (an int when
+    every row has as many, else [B]; a left-padded row counts its segments from its first real token), and the
+    per-layer generation states (None: no cache)."""
 
     padding_mask: torch.Tensor | None
     past_length: int
     states: dict[int, SoapRoutingState] | None = field(default=None)
+    seen: int | torch.Tensor | None = None  # None: `past_length`
+
+    def __post_init__(self):
+        if self.seen is None:
+            self.seen = self.past_length
+
+    @property
+    def uniform(self) -> bool:
+        """Every row's tokens sit on the same segment slots (no padding, the same real tokens cached)."""
+        return self.padding_mask is None and isinstance(self.seen, int)
 
 
 def segment_layout(x: torch.Tensor, mask: torch.Tensor, offset: int, segment_length: int):
@@ -271,6 +283,21 @@ def segment_layout(x: torch.Tensor, mask: torch.Tensor, offset: int, segment_len
     tail = n * segment_length - offset - length
     x = F.pad(x, (0, 0, offset, tail)).view(batch, n, segment_length, hidden)
     return x, F.pad(mask, (offset, tail)).view(batch, n, segment_length)
+
+
+def row_segment_layout(x: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, segment_length: int):
+    """`segment_layout` row by row, for padded rows: each row's real tokens packed on segments from its own offset
+    [B] (padding skipped, so left padding does not move the borders). -> x [B, n, S, H], mask [B, n, S], and each
+    token's slot among the n * S [B, T] (padding: the spare slot n * S)."""
+    batch, length, hidden = x.shape
+    real = mask > 0
+    slot = offsets[:, None] + real.long().cumsum(1) - 1  # [B, T]: slot of each real token
+    n = max(1, int(((offsets + real.sum(1) + segment_length - 1) // segment_length).max()))
+    slot = torch.where(real, slot, n * segment_length)
+    placed = x.new_zeros(batch, n * segment_length + 1, hidden).scatter(1, slot[..., None].expand_as(x), x)
+    placed_mask = mask.new_zeros(batch, n * segment_length + 1).scatter(1, slot, mask)
+    layout = placed[:, :-1].view(batch, n, segment_length, hidden)
+    return layout, placed_mask[:, :-1].view(batch, n, segment_length), slot
 
 
 class SoapMoEBlock(nn.Module):
@@ -298,7 +325,7 @@ class SoapMoEBlock(nn.Module):
         if state is not None and self.routing_mode == "prompt":
             output = self._prompt_routed(hidden_states, mask.to(hidden_states.dtype), state)
         else:
-            output = self._segment_routed(hidden_states, mask.to(hidden_states.dtype), context.past_length, state)
+            output = self._segment_routed(hidden_states, mask.to(hidden_states.dtype), context, state)
         if self.score_scale_factor != 1.0:
             output = output * self.score_scale_factor
         if self.shared_experts is not None:
@@ -313,49 +340,65 @@ class SoapMoEBlock(nn.Module):
             state.merged = self.experts.merge(top_weights, top_index)
         return self.experts.apply_merged(x, state.merged)
 
-    def _segment_routed(self, x, mask, past_length: int, state: SoapRoutingState | None) -> torch.Tensor:
+    def _segment_routed(self, x, mask, context: SoapRoutingContext, state: SoapRoutingState | None) -> torch.Tensor:
         batch, length, hidden = x.shape
-        offset = past_length % self.segment_length  # tokens of the first segment already seen
-        if state is not None and offset and length == 1 and state.merged is not None:  # decoding inside a segment
+        past_length, size = context.past_length, self.segment_length
+        offsets = context.seen % size  # [B] or int: tokens of each row's first segment already seen
+        inside = bool((offsets > 0).all()) if torch.is_tensor(offsets) else offsets > 0
+        if state is not None and inside and length == 1 and state.merged is not None:  # decoding inside a segment
             self._accumulate(state, x.float() * mask[..., None], mask)
             return self.experts.apply_merged(x, state.merged)
-        segments, segment_mask = segment_layout(x, mask, offset, self.segment_length)  # [B, n, S, H], [B, n, S]
+        if context.uniform:
+            segments, segment_mask = segment_layout(x, mask, offsets, size)  # [B, n, S, H], [B, n, S]
+            offsets, slots = torch.full((batch,), offsets, device=x.device), None
+        else:
+            offsets = torch.as_tensor(offsets, device=x.device).expand(batch)
+            segments, segment_mask, slots = row_segment_layout(x, mask, offsets, size)
         sums = (segments.float() * segment_mask[..., None]).sum(2)  # [B, n, H]
         counts = segment_mask.sum(2)  # [B, n]
-        if state is not None and offset:  # the first segment began in the cache
-            sums[:, 0] += state.input_sum
-            counts[:, 0] += state.input_count
+        continuing = (offsets > 0)[:, None]  # [B, 1]: the row's first segment began in the cache
+        if past_length and (state is None or state.input_sum is None):
+            raise ValueError("A SoapMoE forward after cached tokens needs the cache that holds their routing state.")
+        if past_length:
+            sums[:, 0] += state.input_sum * continuing
+            counts[:, 0] += state.input_count * continuing[:, 0]
         means = sums / counts.clamp(min=1)[..., None]
-        route_inputs = torch.cat([self._first_route_input(means, past_length, offset, state), means[:, :-1]], 1)
+        route_inputs = torch.cat([self._first_route_input(means, past_length, continuing, state), means[:, :-1]], 1)
         _, _, top_weights, top_index = self.gate(route_inputs)  # [B, n, k] each
         if past_length == 0:  # segment 0 routes on itself: its weights get no gradient
             top_weights = torch.cat([top_weights[:, :1].detach(), top_weights[:, 1:]], dim=1)
         n, k = segments.shape[1], top_index.shape[-1]
-        if state is not None and n == 1:  # generation inside one segment: merge once, run the real tokens only
+        if state is not None and n == 1:  # generation inside one segment: merge once, run the tokens as they are
             merged = self.experts.merge(top_weights[:, 0], top_index[:, 0])
             self._keep(state, route_inputs[:, 0], sums[:, 0], counts[:, 0], merged)
             return self.experts.apply_merged(x, merged)
         output = self.experts(
-            segments.view(batch * n, self.segment_length, hidden),
+            segments.reshape(batch * n, size, hidden),
             top_weights.reshape(batch * n, k),
             top_index.reshape(batch * n, k),
-        )
+        ).view(batch, n * size, hidden)
         if state is not None:
-            with torch.no_grad():
-                merged = self.experts.merge(top_weights[:, -1], top_index[:, -1])
-            self._keep(state, route_inputs[:, -1], sums[:, -1], counts[:, -1], merged)
-        return output.view(batch, n * self.segment_length, hidden)[:, offset : offset + length]
+            self._keep_last(state, offsets, mask, route_inputs, sums, counts, top_weights, top_index)
+        if slots is None:
+            return output[:, int(offsets[0]) : int(offsets[0]) + length]
+        output = torch.cat([output, output.new_zeros(batch, 1, hidden)], 1)  # padding reads the spare slot: zeros
+        return output.gather(1, slots[..., None].expand(-1, -1, hidden))
+
+    def _keep_last(self, state, offsets, mask, route_inputs, sums, counts, top_weights, top_index) -> None:
+        """Remember each row's last segment of this forward (rows may end on different segments)."""
+        last = (offsets + mask.sum(1).long() - 1).clamp(min=0) // self.segment_length  # [B]
+        rows = torch.arange(len(last), device=last.device)
+        with torch.no_grad():
+            merged = self.experts.merge(top_weights[rows, last], top_index[rows, last])
+        self._keep(state, route_inputs[rows, last], sums[rows, last], counts[rows, last], merged)
 
     @staticmethod
-    def _first_route_input(means, past_length: int, offset: int, state: SoapRoutingState | None) -> torch.Tensor:
+    def _first_route_input(means, past_length: int, continuing, state: SoapRoutingState | None) -> torch.Tensor:
         """Routing input of the first segment of this forward: [B, 1, H]."""
         if past_length == 0:
             return means[:, :1]  # segment 0: its own mean
-        if state is None or state.input_sum is None:
-            raise ValueError("A SoapMoE forward after cached tokens needs the cache that holds their routing state.")
-        if offset:
-            return state.route_input[:, None]  # continuing a segment: route as it was routed
-        return (state.input_sum / state.input_count.clamp(min=1)[:, None])[:, None]  # the segment just finished
+        finished = state.input_sum / state.input_count.clamp(min=1)[:, None]  # the segment just finished
+        return torch.where(continuing, state.route_input, finished)[:, None]  # continuing: route as it was routed
 
     @staticmethod
     def _keep(state: SoapRoutingState, route_input, input_sum, input_count, merged) -> None:
@@ -422,14 +465,18 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
 
     def routing_context(self, attention_mask, cache, inputs_embeds) -> SoapRoutingContext:
         length = inputs_embeds.shape[1]
-        padding_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
-        if cache is None:
-            return SoapRoutingContext(padding_mask, 0)
-        if self.training:  # training routes by segments whatever `routing_mode` says, and keeps no routing state
-            return SoapRoutingContext(padding_mask, cache.get_seq_length())
+        past = 0 if cache is None else cache.get_seq_length()
+        padding_mask, seen = None, past
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            padding_mask = attention_mask[:, -length:]
+            if past and attention_mask.shape[1] == past + length:
+                seen = attention_mask[:, :past].sum(1)  # [B]: real tokens cached per row
+                seen = int(seen[0]) if bool((seen == seen[0]).all()) else seen
+        if cache is None or self.training:  # training routes by segments whatever `routing_mode` says, no state
+            return SoapRoutingContext(padding_mask, past, seen=seen)
         if not hasattr(cache, "soap_routing"):
             cache.soap_routing = {}
-        return SoapRoutingContext(padding_mask, cache.get_seq_length(), cache.soap_routing)
+        return SoapRoutingContext(padding_mask, past, cache.soap_routing, seen=seen)
 
 
 class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, GenerationMixin):

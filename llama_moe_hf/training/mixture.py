@@ -142,23 +142,59 @@ def sheared_llama_update(
 
 class DomainMixture(IterableDataset):
     """Endless stream of training blocks: each block's domain is drawn from `weights` (read at every draw, so dynamic
-    updates apply at once), each domain's blocks are visited in a seeded random order, reshuffled per pass."""
+    updates apply at once), each domain's blocks are visited in a seeded random order, reshuffled per pass.
+
+    The stream is a function of the seed and of the weights in force at each draw, which `schedule` records as
+    (first draw, weights) whenever they change. A resumed run loads the schedule and the draw count of the saved
+    state (`load_state_dict`) and draws those blocks again with the weights they had, so skipping the trained batches
+    puts it exactly where it was; the weights as they were at the save apply from the next draw on."""
 
     def __init__(self, domains: list[DomainData], weights: DomainWeights, seed: int = 0):
         self.domains = domains
         self.weights = weights
         self.seed = seed
         self.drawn = np.zeros(len(domains), dtype=np.int64)  # blocks drawn per domain so far
+        self.schedule: list[tuple[int, list[float]]] = [(0, weights.values.tolist())]
+        self.replay_until = 0  # draws of a resumed run that take their weights from the schedule
+
+    def state_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "names": self.weights.names,
+            "schedule": self.schedule,
+            "draws": int(self.drawn.sum()),
+            "weights": self.weights.values.tolist(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["names"] != self.weights.names or state["seed"] != self.seed:
+            raise ValueError(
+                f"The checkpoint's domain mixture ({state['names']}, seed {state['seed']}) is not this run's "
+                f"({self.weights.names}, seed {self.seed}): resume with the same domains and seed."
+            )
+        self.schedule = [(int(start), list(values)) for start, values in state["schedule"]]
+        self.replay_until = int(state["draws"])
+        self.weights.values = np.array(state["weights"], dtype=np.float64)
+
+    def _probabilities(self, draw: int) -> np.ndarray:
+        """The weights of draw number `draw`: recorded ones while replaying, else the current (recorded on change)."""
+        if draw < self.replay_until:
+            return np.array(next(v for s, v in reversed(self.schedule) if s <= draw), dtype=np.float64)
+        if self.schedule[-1][1] != self.weights.values.tolist():
+            self.schedule.append((draw, self.weights.values.tolist()))
+        return self.weights.values
 
     def __iter__(self):
         rng = np.random.default_rng(self.seed)
         orders = [rng.permutation(len(domain.train)) for domain in self.domains]
         positions = [0] * len(self.domains)
+        draw = 0
         while True:
-            index = int(rng.choice(len(self.domains), p=self.weights.values))
+            index = int(rng.choice(len(self.domains), p=self._probabilities(draw)))
             if positions[index] == len(orders[index]):  # a pass over this domain is done: reshuffle
                 orders[index], positions[index] = rng.permutation(len(orders[index])), 0
             block = self.domains[index].train[orders[index][positions[index]]]
             positions[index] += 1
             self.drawn[index] += 1
+            draw += 1
             yield {"input_ids": block, "labels": block}

@@ -8,9 +8,11 @@ With `distill_alpha` (or `distill_hidden_weight`) above 0 the student also learn
 model it was converted from (`distill.py` has the loss).
 """
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -26,9 +28,11 @@ from .mixture import (
     parse_pairs,
     resolve_weights,
 )
+from .resume import ResumableCheckpointsMixin, resume_checkpoint
 from .sampling import DynamicDomainSampling, domain_losses
 
 logger = logging.getLogger(__name__)
+MIXTURE_STATE = "domain_mixture.json"  # in each checkpoint: the sampling weights in force at every draw so far
 
 
 @dataclass
@@ -82,9 +86,16 @@ class ContinualPretrainArguments:
     distill_hidden_loss: str = field(
         default="cosine", metadata={"help": "hidden-state distance", "choices": list(HIDDEN_LOSSES)}
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "start at step 0 and remove the checkpoints an earlier run left in output_dir (default: resume "
+            "from the newest complete one)"
+        },
+    )
 
 
-class MixtureTrainer(DistillationMixin, Trainer):
+class MixtureTrainer(ResumableCheckpointsMixin, DistillationMixin, Trainer):
     """Logs the domain weights (and the held-out losses behind a dynamic update) with the training loss, and
     evaluates the language-model loss alone (no router loss in the held-out perplexity); distils from a teacher
     when given a `distiller`."""
@@ -100,6 +111,9 @@ class MixtureTrainer(DistillationMixin, Trainer):
                 names = self.mixture.weights.names
                 logs.update({f"domain_loss/{n}": round(float(x), 4) for n, x in zip(names, self.sampling.last_losses)})
         super().log(logs, *args, **kwargs)
+
+    def save_extra_state(self, folder: Path) -> None:
+        (folder / MIXTURE_STATE).write_text(json.dumps(self.mixture.state_dict()) + "\n")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if hasattr(self.model.config, "output_router_logits"):
@@ -125,6 +139,9 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
         model.config.router_aux_loss_coef = args.router_aux_loss_coef
         model.config.output_router_logits = args.router_aux_loss_coef > 0
     mixture = DomainMixture(domains, weights, seed=training.seed)
+    checkpoint = resume_checkpoint(training, start_over=args.overwrite_output_dir)
+    if checkpoint is not None:
+        mixture.load_state_dict(_mixture_state(checkpoint))
     trainer = MixtureTrainer(
         model=model,
         args=training,
@@ -135,13 +152,20 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
         callbacks=[sampling] if sampling else None,
         distiller=_distiller(args, teacher, training.device) if teacher else None,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint)
     results = _results(trainer.evaluate(), names)
     if output_router_logits is not None:  # as loaded: inference does not need router logits
         model.config.output_router_logits = output_router_logits
     record = _stage(trainer, args, mixture, results, teacher)
     output = save_complete_checkpoint(trainer, tokenizer, training.output_dir, args.model_name_or_path, record)
     return TrainingOutcome(unwrapped(trainer), results, output, trainer.state.log_history)
+
+
+def _mixture_state(checkpoint: str) -> dict:
+    path = Path(checkpoint) / MIXTURE_STATE
+    if not path.is_file():
+        raise ValueError(f"{checkpoint} has no {MIXTURE_STATE}: it was not written by this recipe.")
+    return json.loads(path.read_text())
 
 
 def _teacher(args: ContinualPretrainArguments, training: TrainingArguments) -> str | None:

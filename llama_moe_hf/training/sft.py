@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
+from .resume import ResumableCheckpointsMixin, resume_checkpoint
 
 DISTILL_CHOICES = ("none", "gkd", "on_policy")
 
@@ -50,6 +51,13 @@ class MoESFTArguments:
     )
     max_new_tokens: int | None = field(
         default=None, metadata={"help": "tokens per generated completion (default: TRL's, 128 gkd, 512 on_policy)"}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "start at step 0 and remove the checkpoints an earlier run left in output_dir (default: resume "
+            "from the newest complete one)"
+        },
     )
 
 
@@ -130,13 +138,18 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     stage = {"shares": shares, "examples": len(train), "as_loaded": as_loaded, "distillation": None}
     if teacher is None:
-        trainer = SFTTrainer(
+        trainer = _resumable(SFTTrainer)(
             model=model, args=training, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
         )
         return trainer, stage
     trainer = _distillation_trainer(moe, model, teacher, training, train, evaluation, tokenizer)
     stage["distillation"] = _distillation_record(moe, teacher, trainer.args)
     return trainer, stage
+
+
+def _resumable(trainer_class):
+    """`trainer_class` with checkpoints a killed run can resume from (`resume.ResumableCheckpointsMixin`)."""
+    return type(trainer_class.__name__, (ResumableCheckpointsMixin, trainer_class), {})
 
 
 def _distillation_trainer(moe: MoESFTArguments, model, teacher: str, training, train, evaluation, tokenizer):
@@ -168,8 +181,9 @@ def _distillation_record(moe: MoESFTArguments, teacher: str, config) -> dict:
 
 def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArguments) -> TrainingOutcome:
     """One SFT stage; writes the checkpoint to `training.output_dir`."""
+    checkpoint = resume_checkpoint(training, start_over=moe.overwrite_output_dir)
     trainer, stage = build_sft_trainer(script_args, training, model_args, dataset_args, moe)
-    metrics = trainer.train().metrics
+    metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
     model = unwrapped(trainer)
     if stage["as_loaded"]["output_router_logits"] is not None:  # inference does not need router logits
         model.config.output_router_logits = stage["as_loaded"]["output_router_logits"]

@@ -19,6 +19,8 @@ with warnings.catch_warnings():  # TRL warns that `trl.experimental` may change:
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 from trl import DistillationConfig, DistillationTrainer
 
+from .resume import ResumableCheckpointsMixin
+
 
 def _accumulation_steps(trainer, num_items_in_batch) -> int:
     """What the aux loss, a per-micro-batch mean, is divided by: SFTTrainer's rule (the trainer leaves gradient
@@ -26,7 +28,7 @@ def _accumulation_steps(trainer, num_items_in_batch) -> int:
     return trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
 
 
-class MoEGKDTrainer(GKDTrainer):
+class MoEGKDTrainer(ResumableCheckpointsMixin, GKDTrainer):
     """GKD with the student's router balance loss (its forward returns `aux_loss`; GKD's loss ignores it)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -60,7 +62,7 @@ def _router_logits_recorded(backbone):
             hook.remove()
 
 
-class MoEDistillationTrainer(DistillationTrainer):
+class MoEDistillationTrainer(ResumableCheckpointsMixin, DistillationTrainer):
     """On-policy distillation with the student's router balance loss: TRL runs the student's backbone directly (no
     head, so no `aux_loss`); the router logits of that call give it."""
 
