@@ -165,3 +165,23 @@ def test_recipes_help_lists_config_and_negated_flags(script, capsys):
     assert run_recipe(script, ["--help"]) == 0
     text = capsys.readouterr().out
     assert "--config FILE" in text and re.search(r"--no_log_on_each_node, [\w-]+\s+turn --log-on-each-node off", text)
+
+
+# Training-state and LoRA options of the recipes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("sft.py", ["--lora_train_routers", "true"], "lora_train_routers needs use_peft"),
+        ("sft.py", ["--use_peft", "--lora_target_parameters", "mlp.experts.down_proj"], "needs lora_dropout: 0"),
+        ("sft.py", ["--use_peft", "--lora_dropout", "0", "--distill", "gkd"], "LoRA is set up for distill: none"),
+        ("continual_pretrain.py", ["--resume_from_checkpoint", "true"], "holds no complete checkpoint"),
+        ("sft.py", ["--resume_from_checkpoint", "nowhere/checkpoint-3"], "not a complete checkpoint folder"),
+        ("pretrain_soap.py", ["--resume_from_checkpoint", "x/checkpoint-3"], "give true or false"),
+    ],
+)
+def test_resume_and_lora_mistakes_get_one_line(tmp_path, capsys, no_model_loads, script, flags, message):
+    argv = ["--config", str(RECIPES / RECIPE_FILES[script]), "--output_dir", str(tmp_path / "out"), *flags]
+    assert run_recipe(script, argv) == 2
+    assert message in one_error_line(capsys)

@@ -227,6 +227,46 @@ def test_two_stage_sft_with_replay_and_frozen_routers(tiny_moe_path, tmp_path, u
     )
 
 
+@pytest.mark.parametrize("train_routers", [False, True])
+def test_lora_sft_saves_the_merged_model_and_the_adapter(tiny_moe_path, tmp_path, umask_022, train_routers):
+    """LoRA on the attention and the fused experts from the recipe's fields (TRL's ModelConfig): the output is the
+    merged model, and the base model plus the adapter beside it gives its logits; routers frozen or trained in full."""
+    from peft import PeftModel
+
+    data = _write_jsonl(tmp_path / "one.jsonl", _chats("alpha", 100))
+    model_args = ModelConfig(
+        model_name_or_path=str(tiny_moe_path),
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj", "v_proj"],
+        lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    moe = MoESFTArguments(lora_train_routers=train_routers)
+    outcome = run_sft(
+        ScriptArguments(), _sft_args(tmp_path / "out", max_steps=6), model_args, _mixture(one=(data, None)), moe
+    )
+    (stage,) = _assert_complete_checkpoint(outcome.output, outcome.model, stages=1)
+    assert stage["lora"]["r"] == 4 and stage["lora"]["trained_in_full"] == (["gate"] if train_routers else None)
+    assert "trained LoRA adapters (r 4, alpha 8" in (outcome.output / "README.md").read_text()
+    adapter = outcome.output / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "model"
+    assert not any(str(tiny_moe_path) in path.read_text(errors="ignore") for path in adapter.iterdir())
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32)
+    routers_before = base.model.layers[0].mlp.gate.weight.clone()
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    ids = token_batch()
+    torch.testing.assert_close(logits(with_adapter, ids), logits(outcome.model, ids), atol=1e-5, rtol=1e-5)
+    assert torch.equal(outcome.model.model.layers[0].mlp.gate.weight, routers_before) != train_routers
+    experts = outcome.model.model.layers[0].mlp.experts.down_proj
+    assert not torch.equal(
+        experts, AutoModelForCausalLM.from_pretrained(tiny_moe_path).model.layers[0].mlp.experts.down_proj
+    )
+
+
 def _replay_share(trainer) -> float:
     """Share of stage-1 ("alpha") examples among the packed examples of one pass over the training batches."""
     counts = {"alpha": 0, "beta": 0}

@@ -35,12 +35,15 @@ def read_history(model_path: str) -> list[dict]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-def save_complete_checkpoint(trainer, tokenizer, output_dir: str, source: str, record: dict) -> Path:
+def save_complete_checkpoint(
+    trainer, tokenizer, output_dir: str, source: str, record: dict, extra: dict[str, Path] | None = None
+) -> Path:
     """Save `trainer.model` with everything needed to load and understand it into `output_dir`, atomically.
 
     Every process calls this: sharded models gather their weights in `save_model`, into a staging folder all ranks
     name alike. The main process then builds the final folder in `atomic_folder`'s temporary sibling and swaps it in.
-    The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step."""
+    The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step, as do
+    the `extra` folders (name in the output: folder the main process wrote, e.g. a LoRA adapter)."""
     from ..conversion.recipe import RECIPE_FILE
     from ..conversion.writer import atomic_folder, normal_permissions
 
@@ -64,12 +67,16 @@ def save_complete_checkpoint(trainer, tokenizer, output_dir: str, source: str, r
                 (tmp / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
                 (tmp / LOG_FILE).write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
                 (tmp / "README.md").write_text(render_training_card(output.name, source, history), encoding="utf-8")
+                for name, folder in (extra or {}).items():
+                    Path(folder).rename(tmp / name)
                 normal_permissions(tmp)
                 for entry in output.glob("checkpoint-*") if output.is_dir() else []:
                     entry.rename(tmp / entry.name)
     finally:
         if main:
             shutil.rmtree(staging, ignore_errors=True)
+            for folder in (extra or {}).values():
+                shutil.rmtree(folder, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     return output
 
@@ -94,6 +101,7 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
     distilled = [
         _distillation(i + 1, stage["distillation"]) for i, stage in enumerate(history) if stage.get("distillation")
     ]
+    distilled += [_lora(i + 1, stage["lora"]) for i, stage in enumerate(history) if stage.get("lora")]
     body = f"""
 # {name}
 
@@ -143,6 +151,14 @@ def _stage_row(number: int, stage: dict) -> str:
 def _distillation(number: int, settings: dict) -> str:
     details = ", ".join(f"{name} {value}" for name, value in settings.items() if name != "teacher")
     return f"\nStage {number} distilled from `{settings['teacher']}` ({details}).\n"
+
+
+def _lora(number: int, settings: dict) -> str:
+    full = f"; trained in full: {', '.join(settings['trained_in_full'])}" if settings["trained_in_full"] else ""
+    return (
+        f"\nStage {number} trained LoRA adapters (r {settings['r']}, alpha {settings['alpha']}, on "
+        f"{', '.join(settings['targets'])}{full}), merged into these weights; the adapter is in `adapter/`.\n"
+    )
 
 
 def _results(number: int, stage: dict) -> str:

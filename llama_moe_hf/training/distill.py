@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..preflight import check_training
+from .lora import check_lora
 from .resume import check_resume
 
 NO_TEACHER = ("", "none")
@@ -76,10 +77,11 @@ def teacher_spec(values) -> str | None:
 
 
 def check_training_and_teacher(values) -> None:
-    """The recipes' preflight: `preflight.check_training`, `--resume_from_checkpoint`, then the distillation teacher
-    against the student (configs only: no model loads)."""
+    """The recipes' preflight: `preflight.check_training`, `--resume_from_checkpoint`, the SFT recipe's LoRA settings,
+    then the distillation teacher against the student (configs only: no model loads)."""
     check_training(values)
     check_resume(values)
+    check_lora(values)
     checked_teacher(values)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
+from .lora import ADAPTER_FOLDER, is_peft_model, lora_config, save_adapter_and_merge
 from .resume import ResumableCheckpointsMixin, resume_checkpoint
 
 DISTILL_CHOICES = ("none", "gkd", "on_policy")
@@ -58,6 +59,10 @@ class MoESFTArguments:
             "help": "start at step 0 and remove the checkpoints an earlier run left in output_dir (default: resume "
             "from the newest complete one)"
         },
+    )
+    lora_train_routers: bool = field(
+        default=False,
+        metadata={"help": "with use_peft: train the routers in full (saved with the adapter) instead of freezing them"},
     )
 
 
@@ -137,9 +142,15 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     evaluation = dataset[script_args.dataset_test_split] if training.eval_strategy != "no" else None
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     stage = {"shares": shares, "examples": len(train), "as_loaded": as_loaded, "distillation": None}
+    peft_config = lora_config(model_args, model, moe.lora_train_routers)
     if teacher is None:
         trainer = _resumable(SFTTrainer)(
-            model=model, args=training, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
+            model=model,
+            args=training,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            processing_class=tokenizer,
+            peft_config=peft_config,
         )
         return trainer, stage
     trainer = _distillation_trainer(moe, model, teacher, training, train, evaluation, tokenizer)
@@ -184,10 +195,14 @@ def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArgument
     checkpoint = resume_checkpoint(training, start_over=moe.overwrite_output_dir)
     trainer, stage = build_sft_trainer(script_args, training, model_args, dataset_args, moe)
     metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
+    source = model_args.model_name_or_path
+    output, lora = Path(training.output_dir).resolve(), None
+    if is_peft_model(unwrapped(trainer)):
+        adapter = output.with_name(f".{output.name}.{ADAPTER_FOLDER}")
+        lora = save_adapter_and_merge(trainer, source, adapter)
     model = unwrapped(trainer)
     if stage["as_loaded"]["output_router_logits"] is not None:  # inference does not need router logits
         model.config.output_router_logits = stage["as_loaded"]["output_router_logits"]
-    source = model_args.model_name_or_path
     record = stage_record(
         trainer,
         "sft",
@@ -197,7 +212,9 @@ def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArgument
         packing=getattr(trainer.args, "packing", False),  # DistillationTrainer does not pack
         freeze_routers=moe.freeze_routers,
         distillation=stage["distillation"],
+        lora=lora,
         final_train_loss=round(metrics["train_loss"], 4),
     )
-    output = save_complete_checkpoint(trainer, trainer.processing_class, training.output_dir, source, record)
+    extra = {ADAPTER_FOLDER: adapter} if lora else None
+    output = save_complete_checkpoint(trainer, trainer.processing_class, training.output_dir, source, record, extra)
     return TrainingOutcome(model, metrics, output, trainer.state.log_history)
