@@ -49,6 +49,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .conversion.sources.folder import TOKENIZER_FILES
+    from .conversion.writer import check_weights
     from .modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
     if dtype not in DTYPES:
@@ -58,6 +59,7 @@ def load_model(
         raise ValueError(
             f"{folder} has no tokenizer (no tokenizer.json or tokenizer.model): copy the source's into it."
         )
+    check_weights(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device or default_device()).eval(), tokenizer, folder

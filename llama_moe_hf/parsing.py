@@ -57,6 +57,14 @@ class Parser(TrlParser):
     def fail(self, message):  # one line for what is not a usage mistake
         self.exit(2, f"error: {message}\n")
 
+    def run(self, function, *args):
+        """`function(*args)`, a recipe's work: bad input found on the way (a line of data that is not JSON, a truncated
+        shard, a missing optional package) is one line and exit status 2, as in `llama-moe`'s commands."""
+        try:
+            return function(*args)
+        except (ValueError, OSError, ImportError) as error:
+            self.fail(str(error))
+
     def parse_args_and_config(self, args=None) -> tuple:
         args = list(sys.argv[1:] if args is None else args)
         parser = self._command_parser(args)

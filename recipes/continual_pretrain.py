@@ -27,7 +27,7 @@ from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual
 def main(argv=None):
     parser = Parser((ContinualPretrainArguments, TrainingArguments), preflight=check_training_and_teacher)
     args, training = parser.parse_args_and_config(argv)
-    return continual_pretrain(args, training)
+    return parser.run(continual_pretrain, args, training)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,11 @@ def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForC
 
 def main(argv=None) -> None:
     parser = Parser((SoapPretrainArguments, TrainingArguments), preflight=_preflight)
-    args, training = parser.parse_args_and_config(argv)
+    parser.run(pretrain, *parser.parse_args_and_config(argv))
+
+
+def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
+    """Warm up dense, upcycle, train; write the complete checkpoint and results.json (module docstring)."""
     asked = training.resume_from_checkpoint
     start_over = args.overwrite_output_dir or (asked is not None and str(asked).lower() in NEVER)
     with training.main_process_first(desc="removing the stages of an earlier run"):

@@ -27,7 +27,7 @@ from llama_moe_hf.training.sft import MoESFTArguments, run_sft
 def main(argv=None):
     arguments = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, MoESFTArguments)
     parser = Parser(arguments, preflight=check_training_and_teacher)
-    return run_sft(*parser.parse_args_and_config(argv))
+    return parser.run(run_sft, *parser.parse_args_and_config(argv))
 
 
 if __name__ == "__main__":

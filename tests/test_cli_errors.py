@@ -2,6 +2,7 @@
 malformed or misspelt `--config` file, a model folder without a tokenizer, an output that cannot be written; and
 `--help` texts that describe the flags as typed."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -19,7 +20,15 @@ RECIPE_FILES = {  # script: its recipe file
     "pretrain_soap.py": "pretrain/soap-small.yaml",
 }
 RECIPE_SCRIPTS = list(RECIPE_FILES)
-OPTIONS_FILE_COMMANDS = {"convert", "export", "heal", "analyze", "eval", "batch-similar", "offline-data"}  # dataclass options
+OPTIONS_FILE_COMMANDS = {
+    "convert",
+    "export",
+    "heal",
+    "analyze",
+    "eval",
+    "batch-similar",
+    "offline-data",
+}  # dataclass options
 
 
 # --config files ---------------------------------------------------------------------------------------------------
@@ -185,3 +194,50 @@ def test_resume_and_lora_mistakes_get_one_line(tmp_path, capsys, no_model_loads,
     argv = ["--config", str(RECIPES / RECIPE_FILES[script]), "--output_dir", str(tmp_path / "out"), *flags]
     assert run_recipe(script, argv) == 2
     assert message in one_error_line(capsys)
+
+
+# Broken files: a truncated shard, a missing shard, a line of data that is not JSON ---------------------------------
+
+
+@pytest.fixture
+def broken_moe(tiny_moe_path, tmp_path):
+    """Copies of the tiny converted model: one with its weights cut in half, one sharded with a shard missing."""
+    truncated, sharded = tmp_path / "truncated", tmp_path / "sharded"
+    shutil.copytree(tiny_moe_path, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    shutil.copytree(tiny_moe_path, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    return {"truncated": truncated, "sharded": sharded}
+
+
+@pytest.mark.parametrize("which, message", [("truncated", "corrupt or truncated"), ("sharded", "is missing")])
+def test_broken_weights_get_one_line_in_every_command_and_recipe(broken_moe, tmp_path, capsys, which, message):
+    folder = str(broken_moe[which])
+    for argv in (["chat", folder, "--prompt", "hi"], ["info", folder], ["analyze", folder, "--output", "x"]):
+        assert main(argv) == 2, argv
+        assert message in one_error_line(capsys), argv
+    flags = ["--model_name_or_path", folder, "--output_dir", str(tmp_path / "out")]
+    for script in ("continual_pretrain.py", "sft.py"):
+        assert run_recipe(script, ["--config", str(RECIPES / RECIPE_FILES[script]), *flags]) == 2
+        assert message in one_error_line(capsys), script
+
+
+def test_a_data_line_that_is_not_json_gets_one_line(tiny_moe_path, tmp_path, capsys, monkeypatch):
+    (tmp_path / "data/offline/sft/chat").mkdir(parents=True)
+    good = '{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}'
+    (tmp_path / "data/offline/sft/chat/train.jsonl").write_text(f"{good}\n{{bad line\n")
+    (tmp_path / "prose.jsonl").write_text('{"text": "hello"}\n{"text": broken\n')
+    monkeypatch.chdir(tmp_path)
+    common = ["--model_name_or_path", str(tiny_moe_path), "--output_dir", "out", "--use_cpu", "true"]
+    argv = ["--config", str(RECIPES / "sft/stage1-general.yaml"), *common]
+    assert run_recipe("sft.py", argv) == 2
+    err = capsys.readouterr().err  # datasets' progress bar, then the error line
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "error: Cannot read the training data (chat/train.jsonl): JSON parse error"
+    )
+    assert run_recipe("continual_pretrain.py", ["--domains", "prose=prose.jsonl", *common]) == 2
+    assert "prose.jsonl line 2 is not valid JSONL" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()

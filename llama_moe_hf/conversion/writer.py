@@ -121,9 +121,18 @@ class ShardedWriter:
         return [*self.files, SAFE_INDEX]
 
 
+def check_weights(folder) -> None:
+    """A folder's safetensors weights are all there and readable: one line for a missing or truncated shard, not a
+    traceback from the loader (a no-op where there are none, e.g. a Hub id)."""
+    folder = Path(folder)
+    if (folder / SAFE_WEIGHTS).is_file() or (folder / SAFE_INDEX).is_file():
+        read_shapes(folder)
+
+
 def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a saved safetensors checkpoint, from the file headers only (no tensor is loaded)."""
-    from safetensors import safe_open
+    """Tensor name -> shape of a saved safetensors checkpoint, from the file headers only (no tensor is loaded); a
+    missing, corrupt or truncated weight file is refused in one line."""
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
     if (folder / SAFE_INDEX).is_file():
@@ -134,9 +143,14 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
         raise FileNotFoundError(f"{folder} has no safetensors weights ({SAFE_WEIGHTS} or {SAFE_INDEX}).")
     shapes = {}
     for file in files:
-        with safe_open(folder / file, framework="pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
+        if not (folder / file).is_file():
+            raise FileNotFoundError(f"{folder / file} is missing: {SAFE_INDEX} names it (an incomplete download?).")
+        try:
+            with safe_open(folder / file, framework="pt") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except SafetensorError as error:
+            raise ValueError(f"Cannot read {folder / file}: it is corrupt or truncated ({error}).") from None
     return shapes
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..conversion.writer import check_weights
 from ..preflight import check_training
 from .lora import check_lora
 from .resume import check_resume
@@ -82,6 +83,7 @@ def check_training_and_teacher(values) -> None:
     check_training(values)
     check_resume(values)
     check_lora(values)
+    check_weights(values.model_name_or_path)  # the student's (the teacher's: check_teacher)
     checked_teacher(values)
 
 
@@ -112,6 +114,8 @@ def check_teacher(student: str, spec: str, hidden_layers: list[int] | None = Non
 
     from ..loading import model_folder
 
+    if not str(spec).endswith(".gguf"):
+        check_weights(spec)
     ours = AutoConfig.from_pretrained(model_folder(student)).get_text_config()
     theirs = teacher_config(spec).get_text_config()
     if ours.vocab_size != theirs.vocab_size:

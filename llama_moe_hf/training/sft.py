@@ -8,6 +8,7 @@ the graph by the modeling code. The output is a complete checkpoint whose card l
 `distill: gkd | on_policy` distils from a teacher with TRL's distillation trainers instead (`sft_distill.py`).
 """
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,15 +104,24 @@ def mixture_shares(dataset_args) -> dict[str, float | None]:
 def _load_data(script_args, training, dataset_args) -> tuple:
     """(the stage's dataset splits, each dataset's share)."""
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
     from trl import get_dataset
 
-    if dataset_args.datasets:
-        dataset, shares = get_dataset(dataset_args), mixture_shares(dataset_args)
-    elif script_args.dataset_name:
-        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-        shares = {dataset_name(script_args.dataset_name): 1.0}
-    else:
+    if not dataset_args.datasets and not script_args.dataset_name:
         raise ValueError("Give the training data: `datasets` in the recipe file, or --dataset_name.")
+    datasets_logger = logging.getLogger("datasets")
+    level, datasets_logger.level = datasets_logger.level, logging.CRITICAL  # its parse errors: ours below, once
+    try:
+        if dataset_args.datasets:
+            dataset, shares = get_dataset(dataset_args), mixture_shares(dataset_args)
+        else:
+            dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+            shares = {dataset_name(script_args.dataset_name): 1.0}
+    except DatasetGenerationError as error:  # e.g. a line that is not JSON: say which data and row
+        names = [dataset_name(c.path, c.data_files) for c in dataset_args.datasets] or [script_args.dataset_name]
+        raise ValueError(f"Cannot read the training data ({', '.join(names)}): {error.__cause__ or error}") from None
+    finally:
+        datasets_logger.setLevel(level)
     evaluate = training.eval_strategy != "no"
     for split in [script_args.dataset_train_split] + ([script_args.dataset_test_split] if evaluate else []):
         if split not in dataset:
