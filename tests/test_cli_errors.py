@@ -241,3 +241,10 @@ def test_a_data_line_that_is_not_json_gets_one_line(tiny_moe_path, tmp_path, cap
     assert run_recipe("continual_pretrain.py", ["--domains", "prose=prose.jsonl", *common]) == 2
     assert "prose.jsonl line 2 is not valid JSONL" in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused(tiny_dense, smollm2_path, tmp_path, capsys):
+    argv = ["convert", "--model", str(tiny_dense[0]), "--tokenizer", str(smollm2_path), "--output", str(tmp_path / "o")]
+    assert main([*argv, "--method", "upcycle", "--num-experts", "2", "--no-progress"]) == 2
+    assert "has 49,152 tokens, more than the 128 embeddings" in one_error_line(capsys)
+    assert not (tmp_path / "o").exists()

@@ -163,4 +163,10 @@ class FolderSource(DenseSource):
                 f"{self.description} has no tokenizer (no tokenizer.json or tokenizer.model); give one with "
                 "--tokenizer FOLDER_OR_HUB_ID (tokenizer=), e.g. the original model's."
             )
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if len(tokenizer) > self.config.vocab_size:  # its ids would index past the embeddings
+            raise ValueError(
+                f"The tokenizer of {source} has {len(tokenizer):,} tokens, more than the {self.config.vocab_size:,} "
+                f"embeddings of {self.description}: give the model's own tokenizer (--tokenizer)."
+            )
+        return tokenizer
