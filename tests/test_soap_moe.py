@@ -285,6 +285,15 @@ def test_save_and_reload_keeps_the_model(tmp_path):
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids))
 
 
+def test_the_experts_kernel_switch_is_not_offered(tmp_path):
+    """SOAP runs one merged FFN per segment: asking for a per-token expert kernel is refused, not silently ignored."""
+    soap_model().save_pretrained(tmp_path)
+    assert not SoapMoEForCausalLM._can_set_experts_implementation()
+    SoapMoEForCausalLM.from_pretrained(tmp_path)  # the default loads
+    with pytest.raises(ValueError, match="does not support setting experts implementation"):
+        SoapMoEForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_mm")
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

@@ -446,6 +446,12 @@ class SoapMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "AutoModelForTokenClassification": "SoapMoEForTokenClassification",
     }
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # SOAP merges its experts' weights once per segment and runs one FFN: there is no per-token expert kernel
+        # (eager / grouped_mm / batched_mm) to choose, so the switch is not offered.
+        return False
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
