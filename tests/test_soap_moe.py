@@ -171,6 +171,15 @@ def test_left_padding_changes_nothing_segments_count_from_each_rows_first_token(
         torch.testing.assert_close(scores, torch.stack(alone.scores)[:, 0], atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_bfloat16_prefill_keeps_the_last_segment_past_256_tokens():
+    """Token counts are kept in float32: in bfloat16 257 rounds to 256, which would keep the wrong segment's state."""
+    model = soap_model(routing_mode="segment").to(torch.bfloat16)
+    prompt = token_ids(batch=1, length=32 * SEGMENT + 4)  # 260 tokens: the last segment holds 4
+    cache = output_cache(model(prompt, use_cache=True))
+    assert all(state.input_count.tolist() == [4.0] for state in cache.soap_routing.values())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------------

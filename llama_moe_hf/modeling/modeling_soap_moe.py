@@ -255,15 +255,17 @@ class SoapRoutingState:
 
 @dataclass
 class SoapRoutingContext:
-    """What every SOAP layer needs to know about the forward: the padding mask of its tokens [B, T] (None: no
-    padding), how many tokens the cache already holds, how many of them are real tokens in each row (an int when
-    every row has as many, else [B]; a left-padded row counts its segments from its first real token), and the
-    per-layer generation states (None: no cache)."""
+    """What every SOAP layer needs to know about the forward, worked out once for all layers (on the host, so the
+    layers never wait on the device): the padding mask of its tokens [B, T] (None: no padding), how many tokens the
+    cache already holds, how many of them are real tokens in each row (an int when every row has as many, else one
+    per row: a left-padded row counts its segments from its first real token), the real tokens of each row in this
+    forward (None: all of them), and the per-layer generation states (None: no cache)."""
 
     padding_mask: torch.Tensor | None
     past_length: int
     states: dict[int, SoapRoutingState] | None = field(default=None)
-    seen: int | torch.Tensor | None = None  # None: `past_length`
+    seen: int | tuple[int, ...] | None = None  # None: `past_length`
+    real: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.seen is None:
@@ -285,14 +287,13 @@ def segment_layout(x: torch.Tensor, mask: torch.Tensor, offset: int, segment_len
     return x, F.pad(mask, (offset, tail)).view(batch, n, segment_length)
 
 
-def row_segment_layout(x: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, segment_length: int):
-    """`segment_layout` row by row, for padded rows: each row's real tokens packed on segments from its own offset
+def row_segment_layout(x: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, n: int, segment_length: int):
+    """`segment_layout` row by row, for padded rows: each row's real tokens packed on n segments from its own offset
     [B] (padding skipped, so left padding does not move the borders). -> x [B, n, S, H], mask [B, n, S], and each
     token's slot among the n * S [B, T] (padding: the spare slot n * S)."""
     batch, length, hidden = x.shape
     real = mask > 0
     slot = offsets[:, None] + real.long().cumsum(1) - 1  # [B, T]: slot of each real token
-    n = max(1, int(((offsets + real.sum(1) + segment_length - 1) // segment_length).max()))
     slot = torch.where(real, slot, n * segment_length)
     placed = x.new_zeros(batch, n * segment_length + 1, hidden).scatter(1, slot[..., None].expand_as(x), x)
     placed_mask = mask.new_zeros(batch, n * segment_length + 1).scatter(1, slot, mask)
@@ -319,13 +320,14 @@ class SoapMoEBlock(nn.Module):
             if context.past_length == 0:  # a new sequence: forget the previous one's routing
                 context.states[self.layer_idx] = SoapRoutingState()
             state = context.states.setdefault(self.layer_idx, SoapRoutingState())
-        mask = context.padding_mask
+        mask = context.padding_mask  # float32: counts stay exact past 256 tokens (bfloat16 would round them)
         if mask is None:
-            mask = hidden_states.new_ones(hidden_states.shape[:2])
+            mask = hidden_states.new_ones(hidden_states.shape[:2], dtype=torch.float32)
+        mask = mask.to(hidden_states.device, torch.float32)
         if state is not None and self.routing_mode == "prompt":
-            output = self._prompt_routed(hidden_states, mask.to(hidden_states.dtype), state)
+            output = self._prompt_routed(hidden_states, mask, state)
         else:
-            output = self._segment_routed(hidden_states, mask.to(hidden_states.dtype), context, state)
+            output = self._segment_routed(hidden_states, mask, context, state)
         if self.score_scale_factor != 1.0:
             output = output * self.score_scale_factor
         if self.shared_experts is not None:
@@ -343,20 +345,23 @@ class SoapMoEBlock(nn.Module):
     def _segment_routed(self, x, mask, context: SoapRoutingContext, state: SoapRoutingState | None) -> torch.Tensor:
         batch, length, hidden = x.shape
         past_length, size = context.past_length, self.segment_length
-        offsets = context.seen % size  # [B] or int: tokens of each row's first segment already seen
-        inside = bool((offsets > 0).all()) if torch.is_tensor(offsets) else offsets > 0
-        if state is not None and inside and length == 1 and state.merged is not None:  # decoding inside a segment
+        seen = (context.seen,) * batch if isinstance(context.seen, int) else context.seen
+        real = context.real or (length,) * batch
+        offsets = [count % size for count in seen]  # per row, tokens of its first segment already seen (host)
+        if state is not None and min(offsets) > 0 and length == 1 and state.merged is not None:  # inside a segment
             self._accumulate(state, x.float() * mask[..., None], mask)
             return self.experts.apply_merged(x, state.merged)
+        n = max(1, max(-(-(o + r) // size) for o, r in zip(offsets, real)))
+        last = [max(o + r - 1, 0) // size for o, r in zip(offsets, real)]  # each row's last segment here
         if context.uniform:
-            segments, segment_mask = segment_layout(x, mask, offsets, size)  # [B, n, S, H], [B, n, S]
-            offsets, slots = torch.full((batch,), offsets, device=x.device), None
+            segments, segment_mask = segment_layout(x, mask, offsets[0], size)  # [B, n, S, H], [B, n, S]
+            slots = None
         else:
-            offsets = torch.as_tensor(offsets, device=x.device).expand(batch)
-            segments, segment_mask, slots = row_segment_layout(x, mask, offsets, size)
+            row_offsets = torch.tensor(offsets, device=x.device)
+            segments, segment_mask, slots = row_segment_layout(x, mask, row_offsets, n, size)
         sums = (segments.float() * segment_mask[..., None]).sum(2)  # [B, n, H]
-        counts = segment_mask.sum(2)  # [B, n]
-        continuing = (offsets > 0)[:, None]  # [B, 1]: the row's first segment began in the cache
+        counts = segment_mask.sum(2)  # [B, n], float32
+        continuing = torch.tensor(offsets, device=x.device)[:, None] > 0  # [B, 1]: first segment began in the cache
         if past_length and (state is None or state.input_sum is None):
             raise ValueError("A SoapMoE forward after cached tokens needs the cache that holds their routing state.")
         if past_length:
@@ -367,7 +372,7 @@ class SoapMoEBlock(nn.Module):
         _, _, top_weights, top_index = self.gate(route_inputs)  # [B, n, k] each
         if past_length == 0:  # segment 0 routes on itself: its weights get no gradient
             top_weights = torch.cat([top_weights[:, :1].detach(), top_weights[:, 1:]], dim=1)
-        n, k = segments.shape[1], top_index.shape[-1]
+        k = top_index.shape[-1]
         if state is not None and n == 1:  # generation inside one segment: merge once, run the tokens as they are
             merged = self.experts.merge(top_weights[:, 0], top_index[:, 0])
             self._keep(state, route_inputs[:, 0], sums[:, 0], counts[:, 0], merged)
@@ -378,19 +383,14 @@ class SoapMoEBlock(nn.Module):
             top_index.reshape(batch * n, k),
         ).view(batch, n * size, hidden)
         if state is not None:
-            self._keep_last(state, offsets, mask, route_inputs, sums, counts, top_weights, top_index)
+            rows, last = torch.arange(batch, device=x.device), torch.tensor(last, device=x.device)
+            with torch.no_grad():
+                merged = self.experts.merge(top_weights[rows, last], top_index[rows, last])
+            self._keep(state, route_inputs[rows, last], sums[rows, last], counts[rows, last], merged)
         if slots is None:
-            return output[:, int(offsets[0]) : int(offsets[0]) + length]
+            return output[:, offsets[0] : offsets[0] + length]
         output = torch.cat([output, output.new_zeros(batch, 1, hidden)], 1)  # padding reads the spare slot: zeros
         return output.gather(1, slots[..., None].expand(-1, -1, hidden))
-
-    def _keep_last(self, state, offsets, mask, route_inputs, sums, counts, top_weights, top_index) -> None:
-        """Remember each row's last segment of this forward (rows may end on different segments)."""
-        last = (offsets + mask.sum(1).long() - 1).clamp(min=0) // self.segment_length  # [B]
-        rows = torch.arange(len(last), device=last.device)
-        with torch.no_grad():
-            merged = self.experts.merge(top_weights[rows, last], top_index[rows, last])
-        self._keep(state, route_inputs[rows, last], sums[rows, last], counts[rows, last], merged)
 
     @staticmethod
     def _first_route_input(means, past_length: int, continuing, state: SoapRoutingState | None) -> torch.Tensor:
@@ -471,18 +471,19 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
 
     def routing_context(self, attention_mask, cache, inputs_embeds) -> SoapRoutingContext:
         length = inputs_embeds.shape[1]
-        past = 0 if cache is None else cache.get_seq_length()
-        padding_mask, seen = None, past
+        past = 0 if cache is None else int(cache.get_seq_length())
+        padding_mask, seen, real = None, past, None
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             padding_mask = attention_mask[:, -length:]
-            if past and attention_mask.shape[1] == past + length:
-                seen = attention_mask[:, :past].sum(1)  # [B]: real tokens cached per row
-                seen = int(seen[0]) if bool((seen == seen[0]).all()) else seen
+            counts = torch.stack([padding_mask.sum(1), attention_mask[:, :-length].sum(1)]).long().tolist()  # one sync
+            real = tuple(counts[0])
+            if past and attention_mask.shape[1] == past + length:  # real tokens cached per row
+                seen = counts[1][0] if len(set(counts[1])) == 1 else tuple(counts[1])
         if cache is None or self.training:  # training routes by segments whatever `routing_mode` says, no state
-            return SoapRoutingContext(padding_mask, past, seen=seen)
+            return SoapRoutingContext(padding_mask, past, seen=seen, real=real)
         if not hasattr(cache, "soap_routing"):
             cache.soap_routing = {}
-        return SoapRoutingContext(padding_mask, past, cache.soap_routing, seen=seen)
+        return SoapRoutingContext(padding_mask, past, cache.soap_routing, seen=seen, real=real)
 
 
 class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, GenerationMixin):
