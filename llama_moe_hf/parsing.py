@@ -14,6 +14,7 @@ import difflib
 import os
 import sys
 import textwrap
+import traceback
 
 from trl import TrlParser
 
@@ -59,10 +60,15 @@ class Parser(TrlParser):
 
     def run(self, function, *args):
         """`function(*args)`, a recipe's work: bad input found on the way (a line of data that is not JSON, a truncated
-        shard, a missing optional package) is one line and exit status 2, as in `llama-moe`'s commands."""
+        shard, a missing optional package, a full disk at the final save) is one line and exit status 2, as in
+        `llama-moe`'s commands. An error raised inside the Trainer's training loop keeps its traceback: that is a
+        failure to debug, not input to correct."""
         try:
             return function(*args)
         except (ValueError, OSError, ImportError) as error:
+            frames = traceback.extract_tb(error.__traceback__)
+            if any(frame.name == "_inner_training_loop" for frame in frames):
+                raise
             self.fail(str(error))
 
     def parse_args_and_config(self, args=None) -> tuple:

@@ -47,7 +47,13 @@ from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
-from llama_moe_hf.training.resume import LATEST, NEVER, ResumableCheckpointsMixin, resume_checkpoint
+from llama_moe_hf.training.resume import (
+    LATEST,
+    NEVER,
+    ResumableCheckpointsMixin,
+    newest_complete_checkpoint,
+    resume_checkpoint,
+)
 
 WARMUP, UPCYCLED = "dense-warmup", "upcycled"  # the stages' folders under output_dir
 
@@ -122,6 +128,7 @@ class RoutingTrainer(ResumableCheckpointsMixin, Trainer):
     """Adds the SOAP layers' expert utilisation on a fixed validation batch to every training log line."""
 
     routing_batch: torch.Tensor | None = None
+    resumed_from: str | None = None  # the checkpoint this stage continued from
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if isinstance(self.model, SoapMoEForCausalLM) and self.routing_batch is not None and "loss" in logs:
@@ -152,26 +159,34 @@ def train_stage(model, training: TrainingArguments, train: Dataset, steps: int, 
     stage_args = dataclasses.replace(training, max_steps=steps, seed=seed, output_dir=folder)
     checkpoint = resume_checkpoint(stage_args) if training.save_strategy != "no" else None
     trainer = RoutingTrainer(model=model, args=stage_args, train_dataset=train)
-    trainer.routing_batch = routing_batch
+    trainer.routing_batch, trainer.resumed_from = routing_batch, checkpoint
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer, time.perf_counter() - start
 
 
-def warm_up(model, training: TrainingArguments, train: Dataset, steps: int, routing_batch) -> float:
-    """The dense warm-up, or what a finished one saved (its weights and the random state upcycling starts from);
-    returns its seconds. Saved when checkpoints are asked for, so a run killed after it does not repeat it."""
+def warm_up(model, args, training: TrainingArguments, train: Dataset, steps: int, routing_batch) -> float:
+    """The dense warm-up, or what a finished one of the same settings saved (its weights and the random state
+    upcycling starts from); returns its seconds. Saved when checkpoints are asked for, so a run killed after it does
+    not repeat it."""
     done = Path(training.output_dir) / WARMUP / "final"
+    settings = {"arguments": asdict(args), "seed": training.seed, "max_steps": training.max_steps, "steps": steps}
+    settings = json.loads(json.dumps(settings))  # as the file holds them
     if (done / "model.safetensors").is_file():
+        saved = json.loads((done / "warmup.json").read_text())
+        if saved["settings"] != settings:
+            raise ValueError(
+                f"{done} was written by a run with other settings: pass --overwrite_output_dir true to start over."
+            )
         load_model(model, done / "model.safetensors")
         torch.set_rng_state(load_file(done / "random_state.safetensors")["torch"])
-        return json.loads((done / "seconds.json").read_text())["seconds"]
+        return saved["seconds"]
     trainer, seconds = train_stage(model, training, train, steps, training.seed, routing_batch, WARMUP)
     if training.save_strategy != "no" and trainer.is_world_process_zero():
         with atomic_folder(done) as tmp:
             save_model(model, tmp / "model.safetensors")  # the tied embeddings once
             save_file({"torch": torch.get_rng_state()}, tmp / "random_state.safetensors")
-            (tmp / "seconds.json").write_text(json.dumps({"seconds": seconds}))
+            (tmp / "warmup.json").write_text(json.dumps({"settings": settings, "seconds": seconds}))
     return seconds
 
 
@@ -191,17 +206,17 @@ def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
     """Warm up dense, upcycle, train; write the complete checkpoint and results.json (module docstring)."""
     asked = training.resume_from_checkpoint
     start_over = args.overwrite_output_dir or (asked is not None and str(asked).lower() in NEVER)
-    with training.main_process_first(desc="removing the stages of an earlier run"):
+    tokenizer = load_tokenizer(args.tokenizer)
+    train, validation = load_data(args, tokenizer)
+    with training.main_process_first(desc="removing the stages of an earlier run"):  # once the data were read
         if start_over and training.process_index == 0:
             for stage in (WARMUP, UPCYCLED):
                 shutil.rmtree(Path(training.output_dir) / stage, ignore_errors=True)
     training = dataclasses.replace(training, resume_from_checkpoint=None)  # each stage: its newest checkpoint
-    tokenizer = load_tokenizer(args.tokenizer)
-    train, validation = load_data(args, tokenizer)
     routing_batch = torch.tensor(validation[:4]["input_ids"])
     model = dense_model(args, tokenizer, training.seed)
     warm_steps = max(1, round(args.dense_fraction * training.max_steps))
-    warm_seconds = warm_up(model, training, train, warm_steps, routing_batch)
+    warm_seconds = warm_up(model, args, training, train, warm_steps, routing_batch)
     if args.variant == "soap":
         model = upcycle(model, args)
     steps = training.max_steps - warm_steps
@@ -212,7 +227,9 @@ def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
     results.update(
         train_tokens=tokens,
         train_seconds=round(warm_seconds + seconds, 1),
-        tokens_per_second=round(tokens / (warm_seconds + seconds), 1),
+        # a resumed run timed only the steps after its checkpoint
+        tokens_per_second=None if trainer.resumed_from else round(tokens / (warm_seconds + seconds), 1),
+        resumed_from=trainer.resumed_from and Path(trainer.resumed_from).name,
         parameters=sum(p.numel() for p in model.parameters()),
         arguments=asdict(args),
     )
@@ -228,8 +245,15 @@ def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
 
 def _preflight(values) -> None:
     check_training(values)
-    if values.resume_from_checkpoint is not None and str(values.resume_from_checkpoint).lower() not in LATEST + NEVER:
+    asked = None if values.resume_from_checkpoint is None else str(values.resume_from_checkpoint).lower()
+    if asked is not None and asked not in LATEST + NEVER:
         raise ValueError("resume_from_checkpoint: this recipe resumes both stages from output_dir; give true or false.")
+    if asked in LATEST and values.overwrite_output_dir:
+        raise ValueError("--overwrite_output_dir true starts over: it cannot go with --resume_from_checkpoint.")
+    stages = [Path(values.output_dir) / stage for stage in (WARMUP, UPCYCLED)]
+    found = (stages[0] / "final").is_dir() or any(newest_complete_checkpoint(s, clean=False) for s in stages)
+    if asked in LATEST and not found:
+        raise ValueError(f"resume_from_checkpoint {asked}: {values.output_dir} holds no checkpoint of either stage.")
 
 
 def evaluate(trainer, model, args, validation: Dataset, routing_batch) -> dict:

@@ -188,6 +188,9 @@ def test_recipes_help_lists_config_and_negated_flags(script, capsys):
         ("continual_pretrain.py", ["--resume_from_checkpoint", "true"], "holds no complete checkpoint"),
         ("sft.py", ["--resume_from_checkpoint", "nowhere/checkpoint-3"], "not a complete checkpoint folder"),
         ("pretrain_soap.py", ["--resume_from_checkpoint", "x/checkpoint-3"], "give true or false"),
+        ("pretrain_soap.py", ["--resume_from_checkpoint", "true"], "holds no checkpoint of either stage"),
+        ("sft.py", ["--resume_from_checkpoint", "true", "--overwrite_output_dir", "true"], "cannot go with"),
+        ("sft.py", ["--use_peft", "--lora_train_routers", "true", "--freeze_routers", "true"], "contradict"),
     ],
 )
 def test_resume_and_lora_mistakes_get_one_line(tmp_path, capsys, no_model_loads, script, flags, message):

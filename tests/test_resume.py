@@ -127,6 +127,9 @@ def test_overwrite_output_dir_starts_over_and_an_explicit_incomplete_checkpoint_
     assert _run(command, tmp_path / "killed-rows", "save:4").returncode != 0
     refused = _run(command + ["--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-4")], tmp_path / "r")
     assert refused.returncode == 2 and "not a complete checkpoint folder" in refused.stderr.strip().splitlines()[-1]
+    other_shape = _run(command + ["--gradient_accumulation_steps", "2"], tmp_path / "r")  # would skip other data
+    assert other_shape.returncode == 2 and "resume with the same processes and batch sizes" in other_shape.stderr
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
 
     again = _run(command + ["--overwrite_output_dir", "true"], tmp_path / "again-rows")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -157,7 +157,8 @@ def _lora(number: int, settings: dict) -> str:
     full = f"; trained in full: {', '.join(settings['trained_in_full'])}" if settings["trained_in_full"] else ""
     return (
         f"\nStage {number} trained LoRA adapters (r {settings['r']}, alpha {settings['alpha']}, on "
-        f"{', '.join(settings['targets'])}{full}), merged into these weights; the adapter is in `adapter/`.\n"
+        f"{', '.join(settings['targets'])}{full}), merged into the weights; that stage's output kept the adapter "
+        "in `adapter/`.\n"
     )
 
 

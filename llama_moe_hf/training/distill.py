@@ -83,7 +83,8 @@ def check_training_and_teacher(values) -> None:
     check_training(values)
     check_resume(values)
     check_lora(values)
-    check_weights(values.model_name_or_path)  # the student's (the teacher's: check_teacher)
+    if values.model_name_or_path:
+        check_weights(values.model_name_or_path)  # the student's (the teacher's: check_teacher)
     checked_teacher(values)
 
 

@@ -33,6 +33,10 @@ def check_lora(values) -> None:
         )
     if getattr(values, "distill", "none") != "none":
         raise ValueError("use_peft: LoRA is set up for distill: none (SFTTrainer); distillation trains the full model.")
+    if getattr(values, "deepspeed", None) or getattr(values, "fsdp", None):
+        raise ValueError("use_peft: merging the adapter needs whole weights; run LoRA with DDP, not ZeRO or FSDP.")
+    if values.lora_train_routers and values.freeze_routers:
+        raise ValueError("lora_train_routers and freeze_routers contradict each other: choose one.")
 
 
 def lora_config(model_args, model, train_routers: bool):

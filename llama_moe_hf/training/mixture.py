@@ -185,6 +185,10 @@ class DomainMixture(IterableDataset):
         return self.weights.values
 
     def __iter__(self):
+        # A new pass (the Trainer rebuilt its dataloader) starts the stream over: its first draws replay the weights
+        # recorded for them, and the counts start again.
+        self.replay_until = max(self.replay_until, int(self.drawn.sum()))
+        self.drawn[:] = 0
         rng = np.random.default_rng(self.seed)
         orders = [rng.permutation(len(domain.train)) for domain in self.domains]
         positions = [0] * len(self.domains)

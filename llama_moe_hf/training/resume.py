@@ -11,6 +11,7 @@ through `save_extra_state`, before the Trainer's files.
 Light (no torch or transformers at import): the recipes' preflight checks `--resume_from_checkpoint` with it.
 """
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"  # transformers.trainer_utils' name for checkpoint-STEP folders
 INCOMPLETE_MARKER = ".incomplete"  # present while a checkpoint is being written
+RUN_SHAPE = "run_shape.json"  # the processes and batch sizes the checkpoint was trained with
 TRAINER_STATE = "trainer_state.json"  # what the Trainer writes last, and reads to resume
 NEVER, LATEST = ("false", "no", "none"), ("true", "yes", "latest", "last")
 
@@ -37,6 +39,7 @@ class ResumableCheckpointsMixin:
         if self.args.should_save:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / INCOMPLETE_MARKER).touch()
+            (folder / RUN_SHAPE).write_text(json.dumps(run_shape(self.args)) + "\n")
             self.save_extra_state(folder)
         self.accelerator.wait_for_everyone()
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotate once the new one is whole
@@ -46,13 +49,39 @@ class ResumableCheckpointsMixin:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every process has written its part (its RNG state)
         if self.args.should_save:
-            (folder / INCOMPLETE_MARKER).unlink()
+            (folder / INCOMPLETE_MARKER).unlink(missing_ok=True)
             rotate_checkpoints(
                 output_dir=str(run_dir),
                 save_total_limit=limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+
+def run_shape(training) -> dict:
+    """What the position in the data depends on besides the step: resuming with another shape would repeat or skip
+    data."""
+    return {
+        "world_size": training.world_size,
+        "per_device_train_batch_size": training.per_device_train_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
+    }
+
+
+def check_run_shape(checkpoint: Path, training) -> None:
+    path = Path(checkpoint) / RUN_SHAPE
+    if path.is_file() and json.loads(path.read_text()) != run_shape(training):
+        raise ValueError(
+            f"{checkpoint} was trained with {json.loads(path.read_text())}, this run has {run_shape(training)}: "
+            "resume with the same processes and batch sizes (or --overwrite_output_dir true to start over)."
+        )
+
+
+def remove(folder: Path) -> None:
+    """Rename first (one atomic step: other processes see the folder whole or not at all), then delete."""
+    doomed = folder.with_name(f".removing-{folder.name}")
+    folder.rename(doomed)
+    shutil.rmtree(doomed)
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -74,7 +103,7 @@ def newest_complete_checkpoint(output_dir: str | Path, clean: bool) -> Path | No
             return folder
         if clean and (folder / INCOMPLETE_MARKER).exists():
             logger.warning("Removing %s: a checkpoint whose writing was interrupted.", folder)
-            shutil.rmtree(folder)
+            remove(folder)
     return None
 
 
@@ -83,30 +112,36 @@ def resume_checkpoint(training, start_over: bool = False) -> str | None:
 
     `training.resume_from_checkpoint`: unset or true/latest, the newest complete checkpoint in `output_dir` (true
     insists one exists); false, none; a path, that checkpoint. `start_over` (the recipes' `--overwrite_output_dir`)
-    removes the earlier run's checkpoints instead, so they cannot mix with this run's."""
+    removes the earlier run's checkpoints instead, so they cannot mix with this run's: call it once the run's input
+    has been checked. A checkpoint of another number of processes or batch size is refused."""
     main = training.process_index == 0
-    value = check_resume(training)
+    value = check_resume(training, start_over)
     if value is not None and value.lower() in NEVER:
         return None
     if value is not None and value.lower() not in LATEST:
+        check_run_shape(Path(value), training)
         return value
     if start_over:
         for folder in Path(training.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if main else ():
-            shutil.rmtree(folder)
+            remove(folder)
         return None
     found = newest_complete_checkpoint(training.output_dir, clean=main)
     if found is not None:
+        check_run_shape(found, training)
         logger.warning("Resuming from %s (pass --overwrite_output_dir true to start over).", found)
     return None if found is None else str(found)
 
 
-def check_resume(values) -> str | None:
+def check_resume(values, start_over: bool = False) -> str | None:
     """`values.resume_from_checkpoint` as a string (None: unset), refused in one line when it names a folder that is
-    not a complete checkpoint or asks for the latest where `output_dir` has none. Changes nothing on disk."""
+    not a complete checkpoint, asks for the latest where `output_dir` has none, or comes with
+    `--overwrite_output_dir true`. Changes nothing on disk."""
     value = values.resume_from_checkpoint
     value = None if value is None else str(value).strip()
     if value is None or value.lower() in NEVER:
         return value
+    if start_over or getattr(values, "overwrite_output_dir", False):
+        raise ValueError("--overwrite_output_dir true starts over: it cannot go with --resume_from_checkpoint.")
     if value.lower() in LATEST:
         if newest_complete_checkpoint(values.output_dir, clean=False) is None:
             raise ValueError(f"resume_from_checkpoint {value}: {values.output_dir} holds no complete checkpoint.")

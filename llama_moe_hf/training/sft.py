@@ -202,8 +202,8 @@ def _distillation_record(moe: MoESFTArguments, teacher: str, config) -> dict:
 
 def run_sft(script_args, training, model_args, dataset_args, moe: MoESFTArguments) -> TrainingOutcome:
     """One SFT stage; writes the checkpoint to `training.output_dir`."""
-    checkpoint = resume_checkpoint(training, start_over=moe.overwrite_output_dir)
     trainer, stage = build_sft_trainer(script_args, training, model_args, dataset_args, moe)
+    checkpoint = resume_checkpoint(training, start_over=moe.overwrite_output_dir)  # after the data were read
     metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
     source = model_args.model_name_or_path
     output, lora = Path(training.output_dir).resolve(), None

@@ -164,9 +164,9 @@ class FolderSource(DenseSource):
                 "--tokenizer FOLDER_OR_HUB_ID (tokenizer=), e.g. the original model's."
             )
         tokenizer = AutoTokenizer.from_pretrained(source)
-        if len(tokenizer) > self.config.vocab_size:  # its ids would index past the embeddings
+        if self.tokenizer_source and len(tokenizer) > self.config.vocab_size:  # ids past the embeddings
             raise ValueError(
                 f"The tokenizer of {source} has {len(tokenizer):,} tokens, more than the {self.config.vocab_size:,} "
-                f"embeddings of {self.description}: give the model's own tokenizer (--tokenizer)."
+                f"embeddings of {self.description}: --tokenizer must be the model's own."
             )
         return tokenizer
