@@ -8,9 +8,10 @@ against distillation, docs/quality.md):
 
 Reads each trained folder's `trainer_log.json` (its evaluations; train with `--eval_on_start true` to have the
 training-free conversion at 0 tokens) and `training_history.json` (tokens per step, block length, blocks
-evaluated); scores the dense built-in model (or --dense) on the same held-out blocks, rebuilt from the recipe's
-held-out files (--recipe). Writes the plot and a JSON file beside it (default: `recovery.png` and `recovery.json` in
-the one trained folder) and prints, per run and domain, the perplexity as a ratio to the dense model's and the first
+evaluated), or for a run stopped early its newest `checkpoint-N` folder (`trainer_state.json`, `run_shape.json`);
+scores the dense built-in model (or --dense) on the same held-out blocks, rebuilt from the recipe's held-out files
+(--recipe). Writes the plot and a JSON file beside it (default: `recovery.png` and `recovery.json` in the first
+trained folder) and prints, per run and domain, the perplexity as a ratio to the dense model's and the first
 evaluated token count where it is within 2x and 1.5x of it.
 """
 
@@ -34,12 +35,19 @@ def held_out_blocks(recipe: Path, tokenizer, seq_len: int, eval_blocks: int) -> 
     return {domain.name: domain.held_out[:eval_blocks] for domain in load_domains(args, tokenizer)}
 
 
-def run_curves(trained: Path) -> tuple[dict, dict]:
-    """(the last stage's record, {domain: [(tokens, perplexity), ...]}) from a trained folder's logs; the final
-    evaluation repeats the last scheduled one at the same step: one point per step."""
-    (stage,) = json.loads((trained / "training_history.json").read_text())[-1:]
-    tokens_per_step = stage["tokens"] / stage["steps"]
-    log = json.loads((trained / "trainer_log.json").read_text())
+def run_curves(trained: Path, seq_len: int | None = None) -> tuple[dict | None, dict]:
+    """(the last stage's record, {domain: [(tokens, perplexity), ...]}) from a trained folder's logs, or from a
+    `checkpoint-N` folder of a run that was stopped (its trainer state holds the log; `seq_len` sets its tokens per
+    step). The final evaluation repeats the last scheduled one at the same step: one point per step."""
+    if (trained / "training_history.json").is_file():
+        (stage,) = json.loads((trained / "training_history.json").read_text())[-1:]
+        tokens_per_step = stage["tokens"] / stage["steps"]
+        log = json.loads((trained / "trainer_log.json").read_text())
+    else:
+        stage, log = None, json.loads((trained / "trainer_state.json").read_text())["log_history"]
+        shape = json.loads((trained / "run_shape.json").read_text())
+        tokens_per_step = seq_len * shape["world_size"] * shape["per_device_train_batch_size"]
+        tokens_per_step *= shape["gradient_accumulation_steps"]
     names = sorted({key[5:-5] for entry in log for key in entry if key.startswith("eval_") and key.endswith("_loss")})
     curves = {}
     for name in names:
@@ -67,8 +75,11 @@ def main(argv=None) -> None:
     from llama_moe_hf.training.sampling import domain_losses
 
     runs = dict(spec.partition("=")[::2] if "=" in spec else (Path(spec).name, spec) for spec in args.trained)
-    recorded = {name: run_curves(Path(folder)) for name, folder in runs.items()}
-    stage = next(iter(recorded.values()))[0]
+    finished = [Path(f) for f in runs.values() if (Path(f) / "training_history.json").is_file()]
+    if not finished:
+        raise SystemExit("error: give at least one finished run (a folder with training_history.json).")
+    (stage,) = json.loads((finished[0] / "training_history.json").read_text())[-1:]
+    recorded = {name: run_curves(Path(folder), stage["seq_len"]) for name, folder in runs.items()}
     dense_path = args.dense or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(dense_path)
     blocks = held_out_blocks(Path(args.recipe), tokenizer, stage["seq_len"], stage["eval_blocks"])
