@@ -70,10 +70,11 @@ def run_shape(training) -> dict:
 
 def check_run_shape(checkpoint: Path, training) -> None:
     path = Path(checkpoint) / RUN_SHAPE
-    if path.is_file() and json.loads(path.read_text()) != run_shape(training):
+    saved, ours = (json.loads(path.read_text()) if path.is_file() else None), run_shape(training)
+    if saved is not None and saved != ours:
         raise ValueError(
-            f"{checkpoint} was trained with {json.loads(path.read_text())}, this run has {run_shape(training)}: "
-            "resume with the same processes and batch sizes (or --overwrite_output_dir true to start over)."
+            f"{checkpoint} was trained with {saved}, this run has {ours}: resume with the same processes and batch "
+            "sizes (or --overwrite_output_dir true to start over)."
         )
 
 
