@@ -46,9 +46,9 @@ def load_model(
 ):
     """(model in eval mode on `device`, tokenizer, local folder) for `spec` (see `model_folder`). `dtype="auto"` keeps
     the checkpoint's dtype."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .conversion.sources.folder import TOKENIZER_FILES
+    from .conversion.sources.folder import TOKENIZER_FILES, read_tokenizer
     from .conversion.writer import check_weights
     from .modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
@@ -60,7 +60,7 @@ def load_model(
             f"{folder} has no tokenizer (no tokenizer.json or tokenizer.model): copy the source's into it."
         )
     check_weights(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer = read_tokenizer(folder, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device or default_device()).eval(), tokenizer, folder
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import traceback
 
+from safetensors import SafetensorError
 from trl import TrlParser
 
 CONFIG_HELP = "a YAML file of these options (flat `name: value`, named as the flags); flags given as well override it"
@@ -65,7 +66,7 @@ class Parser(TrlParser):
         failure to debug, not input to correct."""
         try:
             return function(*args)
-        except (ValueError, OSError, ImportError) as error:
+        except (ValueError, OSError, ImportError, SafetensorError) as error:  # SafetensorError: e.g. a full disk
             frames = traceback.extract_tb(error.__traceback__)
             if any(frame.name == "_inner_training_loop" for frame in frames):
                 raise
@@ -82,7 +83,10 @@ class Parser(TrlParser):
                 self.preflight(self.parse_known_args(args)[0])
             except (ValueError, ImportError, OSError) as error:
                 self.fail(str(error))
-        return self.parse_args_into_dataclasses(args)
+        try:  # the dataclasses' own checks (TrainingArguments' FSDP settings, accelerate's DeepSpeed config)
+            return self.parse_args_into_dataclasses(args)
+        except (ValueError, ImportError, OSError) as error:
+            self.fail(str(error))
 
     def _command_parser(self, args: list[str]) -> "Parser":
         """The parser of the subcommand `args` names (a recipe file sets its options only), else this one."""

@@ -47,6 +47,7 @@ from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
+from llama_moe_hf.training.distributed import BalanceLossWeightMixin, DistributedTrainingMixin
 from llama_moe_hf.training.resume import (
     LATEST,
     NEVER,
@@ -124,7 +125,7 @@ def dense_model(args: SoapPretrainArguments, tokenizer, seed: int) -> LlamaForCa
     return LlamaForCausalLM(config)
 
 
-class RoutingTrainer(ResumableCheckpointsMixin, Trainer):
+class RoutingTrainer(DistributedTrainingMixin, BalanceLossWeightMixin, ResumableCheckpointsMixin, Trainer):
     """Adds the SOAP layers' expert utilisation on a fixed validation batch to every training log line."""
 
     routing_batch: torch.Tensor | None = None

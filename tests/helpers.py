@@ -193,6 +193,13 @@ def one_error_line(capsys) -> str:
     return err.strip()
 
 
+def last_error_line(capsys) -> str:
+    """The `error: ...` line that ends stderr after progress bars of work already done (and no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+    return err.strip().splitlines()[-1]
+
+
 # Each family with decisive routing, so that a wrong cache changes which experts run, not only the attention.
 FAMILY_FIELDS = {
     "llama_moe": dict(method="random", num_experts=4, top_k=2, router_init="random"),

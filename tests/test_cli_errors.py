@@ -2,16 +2,19 @@
 malformed or misspelt `--config` file, a model folder without a tokenizer, an output that cannot be written; and
 `--help` texts that describe the flags as typed."""
 
+import errno
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import RECIPES, one_error_line, run_recipe
+from helpers import RECIPES, folder_hashes, last_error_line, one_error_line, run_recipe
+from safetensors import SafetensorError
 
 from llama_moe_hf.commands import COMMANDS, main
 from llama_moe_hf.conversion.sources import folder
+from llama_moe_hf.conversion.writer import ShardedWriter
 from llama_moe_hf.preflight import check_writable
 
 RECIPE_FILES = {  # script: its recipe file
@@ -199,6 +202,41 @@ def test_resume_and_lora_mistakes_get_one_line(tmp_path, capsys, no_model_loads,
     assert message in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("script", RECIPE_SCRIPTS)
+@pytest.mark.parametrize(
+    "flags, content, message",
+    [
+        (["--deepspeed", "{path}"], None, "--deepspeed {path}: cannot be read (No such file or directory)"),
+        (["--deepspeed", "{path}"], '{"zero_optimization": {', "--deepspeed {path}: not valid JSON"),
+        (["--fsdp", "--fsdp_config", "{path}"], "[1]", "--fsdp_config {path}: must hold a JSON object"),
+        (["--fsdp", "--fsdp_config", "{path}"], '{"auto_wrap_policy": "NOPE"}', "`auto_wrap_policy` must be one of"),
+    ],
+)
+def test_a_wrong_distributed_config_gets_one_line(tmp_path, capsys, no_model_loads, script, flags, content, message):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    flags = [flag.format(path=path) for flag in flags]
+    argv = ["--config", str(RECIPES / RECIPE_FILES[script]), "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"]
+    argv += flags
+    if "deepspeed" in flags[0]:
+        pytest.importorskip("deepspeed")
+    assert run_recipe(script, argv) == 2
+    assert message.format(path=path) in one_error_line(capsys)
+
+
+def test_accelerates_deepspeed_config_file_is_checked(tmp_path, capsys, no_model_loads, monkeypatch):
+    """`accelerate launch --config_file zero3.yaml` hands the DeepSpeed file over in the environment."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text("{")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    argv = ["--config", str(RECIPES / RECIPE_FILES["sft.py"]), "--output_dir", str(tmp_path / "out")]
+    assert run_recipe("sft.py", argv) == 2
+    assert f"the accelerate config's deepspeed_config_file {path}: not valid JSON" in one_error_line(capsys)
+
+
 # Broken files: a truncated shard, a missing shard, a line of data that is not JSON ---------------------------------
 
 
@@ -251,3 +289,57 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused(tiny_dense, smollm2_p
     assert main([*argv, "--method", "upcycle", "--num-experts", "2", "--no-progress"]) == 2
     assert "has 49,152 tokens, more than the 128 embeddings" in one_error_line(capsys)
     assert not (tmp_path / "o").exists()
+
+
+# A disk that fills up during the write; a corrupt tokenizer -------------------------------------------------------
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_disk_that_fills_up_during_conversion_leaves_nothing(tiny_dense, tmp_path, capsys, monkeypatch):
+    """The weights' write fails half-way (checked by hand on a 300 KB tmpfs too: the code files' copy fails first
+    there, with the same result)."""
+    source = tiny_dense[0]
+    before = folder_hashes(source)
+    monkeypatch.setattr(ShardedWriter, "add", _disk_full)
+    assert main(["convert", "--model", str(source), "--output", str(tmp_path / "out"), "--num-experts", "4"]) == 2
+    assert "No space left on device" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == [] and folder_hashes(source) == before
+
+
+def test_a_disk_that_fills_up_at_the_final_save_leaves_nothing(tiny_moe_path, domains, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (seen on a 300 KB tmpfs), not an OSError."""
+    import transformers.modeling_utils
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    argv = ["--model_name_or_path", str(tiny_moe_path), "--domains", f"prose={domains['prose']}", "--seq_len", "32"]
+    argv += ["--max_steps", "1", "--eval_blocks", "2", "--use_cpu", "true", "--report_to", "none"]
+    argv += ["--save_strategy", "no", "--output_dir", str(tmp_path / "out")]
+    assert run_recipe("continual_pretrain.py", argv) == 2
+    assert "No space left on device" in last_error_line(capsys)  # after the training's progress bars
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def corrupt_tokenizer(tiny_moe_path, tmp_path):
+    """The tiny converted model with its tokenizer.json cut short."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_moe_path, model)
+    data = (model / "tokenizer.json").read_text()
+    (model / "tokenizer.json").write_text(data[: len(data) // 2])
+    return model
+
+
+def test_a_corrupt_tokenizer_gets_one_line_naming_it(corrupt_tokenizer, tmp_path, capsys):
+    message = f"Cannot read the tokenizer of {corrupt_tokenizer}"
+    assert main(["chat", str(corrupt_tokenizer), "--prompt", "hi"]) == 2
+    assert message in one_error_line(capsys)
+    flags = ["--model_name_or_path", str(corrupt_tokenizer), "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"]
+    for script in ("continual_pretrain.py", "sft.py"):
+        assert run_recipe(script, ["--config", str(RECIPES / RECIPE_FILES[script]), *flags]) == 2
+        assert message in one_error_line(capsys), script

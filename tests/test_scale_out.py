@@ -81,7 +81,7 @@ def test_fsdp2_matches_one_process(runs, family):
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install deepspeed)"
 )
-MOE_LEAVES = {"llama_moe": ["LlamaMoESparseMoeBlock"], "attn_moe": [], "soap_moe": ["SoapMoEBlock"]}
+MOE_LEAVES = {"llama_moe": ["LlamaMoESparseMoeBlock"], "attn_moe": ["AttnMoEAttention"], "soap_moe": ["SoapMoEBlock"]}
 
 
 @needs_deepspeed
@@ -95,7 +95,7 @@ def test_trainer_zero2_matches_one_process(runs):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_zero3_matches_one_process(runs, family):
     """ds_zero3.json as it is, through Trainer: parameters partitioned, the MoE blocks ZeRO-3 leaves (AttnMoE's
-    attention is not one: see docs/scale_out.md), and the one-process trajectory of the plain loop."""
+    routed attention too), and the one-process trajectory of the plain loop."""
     zero3 = runs["world2-rank0"]["zero3"][family]
     assert (zero3["distributed_type"], zero3["zero_stage"]) == ("DistributedType.DEEPSPEED", 3)
     assert zero3["partitioned_share"] > 0.95  # norms and routers, under the persistence threshold, stay whole
@@ -104,7 +104,8 @@ def test_trainer_zero3_matches_one_process(runs, family):
 
 
 def test_plain_loop_is_trainers_update_rule(runs):
-    """The FSDP2 comparison runs a hand-written loop (Trainer cannot run FSDP on CPU); in one process it reproduces
+    """The FSDP2 comparison runs a hand-written loop (a plain Trainer cannot run FSDP on CPU; the recipes' trainers
+    can: test_distributed_recipes.py); in one process it reproduces
     Trainer's trajectory, so FSDP2 = one process = Trainer. If Trainer's defaults change, update the loop."""
     one = runs["world1-rank0"]
     assert_same_trajectory(one["fsdp2"]["llama_moe"], one["trainer"])

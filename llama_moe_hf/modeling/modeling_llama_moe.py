@@ -534,8 +534,10 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
+        # hidden_states positionally: a module called with keyword arguments only fires its full backward hooks
+        # before its own backward (DeepSpeed reduces a ZeRO-3 leaf's gradients in one: AttnMoE's attention).
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
+            hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=use_cache,
@@ -553,6 +555,11 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
     def mlp_forward(self, hidden_states: torch.Tensor, routing_context: object | None) -> torch.Tensor:
         """The MLP; `routing_context` is what the backbone's `routing_context` made for this forward (SoapMoE)."""
         return self.mlp(hidden_states)
+
+
+def _own_class(model) -> type:
+    """The model's class in this package, under any subclass a wrapper made for it in torch (FSDP2)."""
+    return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch."))
 
 
 def _file_stamps(folder) -> dict[str, tuple[int, int]]:
@@ -610,10 +617,16 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **heads}
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        self.add_auto_map()
-        before = _file_stamps(save_directory)
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        _chmod_written_files(save_directory, before)
+        # FSDP2's `fully_shard` swaps in a subclass made in torch (`FSDPLlamaMoEForCausalLM`); transformers would copy
+        # torch's files as the model code and name that class in `auto_map`. Saved as our own class, for the save.
+        wrapper, self.__class__ = self.__class__, _own_class(self)
+        try:
+            self.add_auto_map()
+            before = _file_stamps(save_directory)
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+            _chmod_written_files(save_directory, before)
+        finally:
+            self.__class__ = wrapper
         return result
 
     @classmethod

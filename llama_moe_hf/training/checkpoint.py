@@ -77,6 +77,8 @@ def save_complete_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
             for folder in (extra or {}).values():
                 shutil.rmtree(folder, ignore_errors=True)
+            if output.is_dir() and not any(output.iterdir()):  # made by the Trainer, never filled: the run failed
+                output.rmdir()
     trainer.accelerator.wait_for_everyone()
     return output
 

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainingArguments
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
+from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
     DomainMixture,
@@ -95,7 +96,9 @@ class ContinualPretrainArguments:
     )
 
 
-class MixtureTrainer(ResumableCheckpointsMixin, DistillationMixin, Trainer):
+class MixtureTrainer(
+    DistributedTrainingMixin, BalanceLossWeightMixin, ResumableCheckpointsMixin, DistillationMixin, Trainer
+):
     """Logs the domain weights (and the held-out losses behind a dynamic update) with the training loss, and
     evaluates the language-model loss alone (no router loss in the held-out perplexity); distils from a teacher
     when given a `distiller`."""
@@ -124,11 +127,13 @@ class MixtureTrainer(ResumableCheckpointsMixin, DistillationMixin, Trainer):
 def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArguments) -> TrainingOutcome:
     """Train `args.model_name_or_path` on the domain mixture; writes a complete checkpoint to `training.output_dir`.
     The outcome's metrics are the held-out loss and perplexity per domain."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion.sources.folder import read_tokenizer
 
     _check(args, training)
     teacher = _teacher(args, training)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer = read_tokenizer(args.model_name_or_path)
     domains = load_domains(args, tokenizer)
     names = [domain.name for domain in domains]
     weights = DomainWeights(names, resolve_weights(args.domain_weights, names))

@@ -135,8 +135,10 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     before packing, the model's `output_router_logits` as loaded (TRL switches it on for the balance loss) and the
     distillation settings."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
+
+    from ..conversion.sources.folder import read_tokenizer
 
     dataset, shares = _load_data(script_args, training, dataset_args)
     source, trust = model_args.model_name_or_path, training.trust_remote_code
@@ -144,17 +146,17 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     if teacher is not None:  # before any model loads
         check_teacher(source, teacher)
     dtype = model_args.dtype if model_args.dtype not in (None, "auto") else torch.float32
+    tokenizer = read_tokenizer(source, trust_remote_code=trust)  # before the model: a broken one fails at once
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
     as_loaded = {"output_router_logits": getattr(model.config, "output_router_logits", None)}
     if moe.freeze_routers:
         freeze_routers(model)
     train = dataset[script_args.dataset_train_split]
     evaluation = dataset[script_args.dataset_test_split] if training.eval_strategy != "no" else None
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     stage = {"shares": shares, "examples": len(train), "as_loaded": as_loaded, "distillation": None}
     peft_config = lora_config(model_args, model, moe.lora_train_routers)
     if teacher is None:
-        trainer = _resumable(SFTTrainer)(
+        trainer = _recipe_trainer(SFTTrainer)(
             model=model,
             args=training,
             train_dataset=train,
@@ -168,9 +170,14 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     return trainer, stage
 
 
-def _resumable(trainer_class):
-    """`trainer_class` with checkpoints a killed run can resume from (`resume.ResumableCheckpointsMixin`)."""
-    return type(trainer_class.__name__, (ResumableCheckpointsMixin, trainer_class), {})
+def _recipe_trainer(trainer_class):
+    """`trainer_class` with checkpoints a killed run can resume from (`resume.ResumableCheckpointsMixin`) and FSDP on
+    CPU processes too (`distributed.DistributedTrainingMixin`)."""
+    from .distributed import (
+        DistributedTrainingMixin,
+    )  # imports transformers: this module stays light for the recipe's preflight
+
+    return type(trainer_class.__name__, (DistributedTrainingMixin, ResumableCheckpointsMixin, trainer_class), {})
 
 
 def _distillation_trainer(moe: MoESFTArguments, model, teacher: str, training, train, evaluation, tokenizer):

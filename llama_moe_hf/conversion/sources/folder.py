@@ -27,6 +27,19 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+
+def read_tokenizer(source, **kwargs):
+    """`AutoTokenizer.from_pretrained(source, **kwargs)`; a ValueError naming `source` for files that do not parse
+    (a truncated tokenizer.json gives a bare "EOF while parsing" or JSON error from deep inside)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as error:  # tokenizers raises plain `Exception` for a file it cannot parse
+        raise ValueError(f"Cannot read the tokenizer of {source}: {error} (a corrupt or truncated file?)") from error
+
+
 # What a Hub download fetches: configs, safetensors weights and tokenizer files, never pickles or other formats.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt", "*.jinja", "README.md"]
 
@@ -153,8 +166,6 @@ class FolderSource(DenseSource):
     def load_tokenizer(self):
         """--tokenizer's tokenizer, else the folder's own; one clear error for a folder without one (transformers
         would say that sentencepiece is missing)."""
-        from transformers import AutoTokenizer
-
         source = self.tokenizer_source or self.path
         if Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
             if self.tokenizer_source:
@@ -163,7 +174,7 @@ class FolderSource(DenseSource):
                 f"{self.description} has no tokenizer (no tokenizer.json or tokenizer.model); give one with "
                 "--tokenizer FOLDER_OR_HUB_ID (tokenizer=), e.g. the original model's."
             )
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = read_tokenizer(source)
         if self.tokenizer_source and len(tokenizer) > self.config.vocab_size:  # ids past the embeddings
             raise ValueError(
                 f"The tokenizer of {source} has {len(tokenizer):,} tokens, more than the {self.config.vocab_size:,} "
