@@ -563,3 +563,45 @@ def test_cli_attention_flags(tmp_path, tiny_dense_folder):
     config = json.loads((out / "config.json").read_text())
     assert (config["num_attention_experts_per_tok"], config["attention_score_scale_factor"]) == (2, 1.5)
     assert main(args + ["--attn-experts", "3"]) == 2  # one `error:` line, no traceback
+
+
+def test_experts_kernel_switch_runs_the_mlp_experts_kernel_or_is_refused():
+    """transformers' `experts_implementation` picks the MLP experts' kernel: with MLP experts the chosen kernel runs
+    (transformers' common test mocks it the same way); with dense MLPs only, asking for one is refused instead of
+    silently never running."""
+    from unittest.mock import Mock, patch
+
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    dense = dense_model()
+    fields = dict(num_attention_experts=4, num_attention_experts_per_tok=2, num_experts=4, num_experts_per_tok=2)
+    with_experts = AttnMoEForCausalLM(attn_config(dense.config, moe_layers=[0, 1], **fields)).eval()
+    kernel = Mock(wraps=batched_mm_experts_forward)
+    with patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", {"batched_mm": kernel}):
+        with_experts.set_experts_implementation("batched_mm")
+        with_experts(torch.randint(3, 90, (1, 8)))
+    kernel.assert_called()
+    attention_only = AttnMoEForCausalLM(attn_config(dense.config, **fields)).eval()
+    with pytest.raises(ValueError, match="has none \\(moe_layers is empty\\)"):
+        attention_only.set_experts_implementation("batched_mm")
+
+
+@pytest.mark.parametrize("implementation", ["masked", "gathered"])
+def test_attention_balance_loss_is_top_k_when_balanced_on_either_path(implementation):
+    """The Switch loss is top-k for a uniform router (Mixtral's common test expects 2 for top-2); both attention
+    paths report the same value for the same routing (with dense MLPs the attention loss is `aux_loss`)."""
+    dense = dense_model()
+    fields = dict(num_attention_experts=4, num_attention_experts_per_tok=2, output_router_logits=True)
+    model = AttnMoEForCausalLM(attn_config(dense.config, attention_experts_implementation=implementation, **fields))
+    input_ids = batch_of_ids()
+    reference = AttnMoEForCausalLM(attn_config(dense.config, attention_experts_implementation="masked", **fields))
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        aux = model.eval()(input_ids, attention_mask=torch.ones_like(input_ids)).aux_loss
+        expected = reference.eval()(input_ids, attention_mask=torch.ones_like(input_ids)).aux_loss
+    torch.testing.assert_close(aux, expected)
+    for layer in model.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.gate.weight)
+    with torch.no_grad():
+        balanced = model(input_ids).aux_loss
+    torch.testing.assert_close(balanced, torch.tensor(2.0))

@@ -94,3 +94,25 @@ def test_remote_code_refuses_a_transformers_outside_the_pin_in_one_line(family_f
     assert run.stdout.strip() == (
         f"This model's code (llama-moe-hf {LLAMA_MOE_VERSION}) needs {pin}, found {version}: pip install '{pin}'"
     )
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FIELDS))
+def test_the_old_cache_name_still_works_and_is_deprecated_where_transformers_deprecates_it(family):
+    """transformers' common test `test_bc_cache_name_forward`: on 5.24+ `past_key_values=` gives the same output as
+    `cache=` with transformers' FutureWarning; on 5.23 it is the standard name and warns nothing."""
+    import warnings
+
+    import torch
+    from transformers import DynamicCache
+
+    from llama_moe_hf.modeling.modeling_llama_moe import CACHE_ARG
+
+    model = tiny_family_model(family).eval()
+    input_ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = model(input_ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+    new = model(input_ids, **{CACHE_ARG: DynamicCache(config=model.config)}, use_cache=True).logits
+    torch.testing.assert_close(old, new)
+    deprecated = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+    assert bool(deprecated) == (CACHE_ARG == "cache")

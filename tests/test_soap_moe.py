@@ -172,6 +172,20 @@ def test_left_padding_changes_nothing_segments_count_from_each_rows_first_token(
 
 
 @torch.no_grad()
+def test_padding_free_packed_sequences_are_each_routed_as_if_alone():
+    """Sequences packed into one row without padding (position ids restarting at 0, as TRL's `padding_free` packs
+    them; transformers' attention masks tell them apart so without an attention mask or a cache): each gets the
+    logits it has alone; before, segments ran across the borders (5e-3 apart in float32)."""
+    model = soap_model(routing_mode="segment")
+    sequences = [token_ids(batch=1, length=n, seed=n) for n in (SEGMENT + 3, 2 * SEGMENT + 5, 5)]
+    packed = torch.cat(sequences, dim=1)
+    position_ids = torch.cat([torch.arange(s.shape[1]) for s in sequences])[None]
+    together = model(packed, position_ids=position_ids, use_cache=False).logits  # as in training
+    for sequence, part in zip(sequences, together.split([s.shape[1] for s in sequences], dim=1)):
+        torch.testing.assert_close(part, logits(model, sequence), atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_bfloat16_prefill_keeps_the_last_segment_past_256_tokens():
     """Token counts are kept in float32: in bfloat16 257 rounds to 256, which would keep the wrong segment's state."""
     model = soap_model(routing_mode="segment").to(torch.bfloat16)

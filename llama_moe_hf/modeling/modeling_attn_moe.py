@@ -286,6 +286,16 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "attentions": LlamaAttention,
     }
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # The switch picks the MLP experts' kernel: with every MLP dense there is none to pick, and a kernel asked for
+        # would silently never run.
+        if requested_experts not in (None, "eager", "llama_moe_auto") and not self.config.moe_layers:
+            raise ValueError(
+                f"experts_implementation={requested_experts!r} picks the kernel of MLP experts, and this AttnMoE model "
+                "has none (moe_layers is empty); its attention experts have attention_experts_implementation."
+            )
+        return super().get_correct_experts_implementation(requested_experts)
+
 
 class AttnMoEModel(AttnMoEPreTrainedModel, LlamaMoEModel):
     """LlamaMoE's backbone (its forward is reused) built from AttnMoE decoder layers."""

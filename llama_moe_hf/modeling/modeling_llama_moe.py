@@ -26,6 +26,7 @@ This file is copied next to saved checkpoints (remote code): it imports only tra
 import functools
 import math
 import os
+import warnings
 from fractions import Fraction
 
 import torch
@@ -61,11 +62,15 @@ CACHE_ARG = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ el
 
 
 def accepts_past_key_values(forward):
-    """`forward(..., cache=...)` that also takes the cache as `past_key_values=` (what transformers < 5.24 passes)."""
+    """`forward(..., cache=...)` that also takes the cache as `past_key_values=` (what transformers < 5.24 passes).
+    On 5.24 and later the old name is deprecated, with the warning transformers' own models give for it."""
 
     @functools.wraps(forward)
     def wrapper(*args, past_key_values: Cache | None = None, **kwargs):
         if past_key_values is not None and kwargs.get("cache") is None:
+            if CACHE_ARG == "cache":
+                message = f"`past_key_values` is deprecated for `{forward.__qualname__}`. Use `cache` instead."
+                warnings.warn(message, FutureWarning, stacklevel=2)
             kwargs["cache"] = past_key_values
         return forward(*args, **kwargs)
 
@@ -696,6 +701,9 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        context = self.routing_context(attention_mask, cache, inputs_embeds, position_ids)
+        if context is not None:
+            kwargs["routing_context"] = context
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -710,9 +718,6 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        context = self.routing_context(attention_mask, cache, inputs_embeds)
-        if context is not None:
-            kwargs["routing_context"] = context
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
@@ -726,8 +731,9 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return self.output_class(last_hidden_state=hidden_states, **{CACHE_ARG: cache})
 
-    def routing_context(self, attention_mask, cache, inputs_embeds) -> object | None:
-        """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here."""
+    def routing_context(self, attention_mask, cache, inputs_embeds, position_ids) -> object | None:
+        """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here.
+        `position_ids` as the caller gave them (None: consecutive)."""
         return None
 
 

@@ -266,6 +266,7 @@ class SoapRoutingContext:
     states: dict[int, SoapRoutingState] | None = field(default=None)
     seen: int | tuple[int, ...] | None = None  # None: `past_length`
     real: tuple[int, ...] | None = None
+    packed: "PackedSequences | None" = None  # padding-free input: several sequences in a row
 
     def __post_init__(self):
         if self.seen is None:
@@ -275,6 +276,35 @@ class SoapRoutingContext:
     def uniform(self) -> bool:
         """Every row's tokens sit on the same segment slots (no padding, the same real tokens cached)."""
         return self.padding_mask is None and isinstance(self.seen, int)
+
+
+@dataclass
+class PackedSequences:
+    """Sequences packed into rows without padding, told apart by their position ids restarting (what TRL's
+    `padding_free` and transformers' packed attention use): each token's sequence and place in it [B*T], the
+    sequences' lengths (host), and their padding mask as rows [N, L] (float32)."""
+
+    sequence: torch.Tensor
+    position: torch.Tensor
+    lengths: tuple[int, ...]
+    mask: torch.Tensor
+
+    @classmethod
+    def find(cls, position_ids: torch.Tensor) -> "PackedSequences | None":
+        """The sequences in `position_ids` [B, T] (a new one wherever the position does not follow the previous
+        one), or None when each row is one sequence."""
+        batch, length = position_ids.shape
+        starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # [B, T-1]
+        if not bool(starts.any()):  # one host sync
+            return None
+        begins = torch.cat([starts.new_ones(batch, 1), starts], 1).reshape(-1)  # [B*T]: every row begins one
+        sequence = begins.long().cumsum(0) - 1
+        first = begins.nonzero().squeeze(-1)  # [N]
+        position = torch.arange(batch * length, device=position_ids.device) - first[sequence]
+        lengths = torch.diff(first, append=first.new_tensor([batch * length])).tolist()
+        places = torch.arange(max(lengths), device=position_ids.device)
+        mask = (places[None] < torch.tensor(lengths, device=position_ids.device)[:, None]).float()
+        return cls(sequence, position, tuple(lengths), mask)
 
 
 def segment_layout(x: torch.Tensor, mask: torch.Tensor, offset: int, segment_length: int):
@@ -315,6 +345,27 @@ class SoapMoEBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, context: SoapRoutingContext | None = None) -> torch.Tensor:
         context = context or SoapRoutingContext(padding_mask=None, past_length=0)
+        if context.packed is not None:
+            output = self._packed_routed(hidden_states, context.packed)
+        else:
+            output = self._routed(hidden_states, context)
+        if self.score_scale_factor != 1.0:
+            output = output * self.score_scale_factor
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output
+
+    def _packed_routed(self, x: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
+        """Padding-free input: each packed sequence routed as a row of its own, its segments counted from its first
+        token (as if it came alone), then put back in place."""
+        hidden = x.shape[-1]
+        rows = x.new_zeros(len(packed.lengths), packed.mask.shape[1], hidden)  # [N, L, H]
+        rows[packed.sequence, packed.position] = x.reshape(-1, hidden)
+        context = SoapRoutingContext(packed.mask, 0, real=packed.lengths)
+        output = self._segment_routed(rows, packed.mask, context, None)
+        return output[packed.sequence, packed.position].view_as(x)
+
+    def _routed(self, hidden_states: torch.Tensor, context: SoapRoutingContext) -> torch.Tensor:
         state = None
         if context.states is not None:
             if context.past_length == 0:  # a new sequence: forget the previous one's routing
@@ -325,14 +376,8 @@ class SoapMoEBlock(nn.Module):
             mask = hidden_states.new_ones(hidden_states.shape[:2], dtype=torch.float32)
         mask = mask.to(hidden_states.device, torch.float32)
         if state is not None and self.routing_mode == "prompt":
-            output = self._prompt_routed(hidden_states, mask, state)
-        else:
-            output = self._segment_routed(hidden_states, mask, context, state)
-        if self.score_scale_factor != 1.0:
-            output = output * self.score_scale_factor
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
-        return output
+            return self._prompt_routed(hidden_states, mask, state)
+        return self._segment_routed(hidden_states, mask, context, state)
 
     def _prompt_routed(self, x: torch.Tensor, mask: torch.Tensor, state: SoapRoutingState) -> torch.Tensor:
         """Route once on the mean of the prompt (the first forward of the sequence); reuse that merged FFN."""
@@ -469,10 +514,15 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
     decoder_layer_class = SoapMoEDecoderLayer
     output_class = SoapMoEModelOutputWithPast
 
-    def routing_context(self, attention_mask, cache, inputs_embeds) -> SoapRoutingContext:
+    def routing_context(self, attention_mask, cache, inputs_embeds, position_ids) -> SoapRoutingContext:
         length = inputs_embeds.shape[1]
         past = 0 if cache is None else int(cache.get_seq_length())
         padding_mask, seen, real = None, past, None
+        # Padding-free input, told apart as transformers' attention masks do it (no mask, no cache)
+        if position_ids is not None and cache is None and length > 1 and attention_mask is None:
+            packed = PackedSequences.find(position_ids.expand(inputs_embeds.shape[0], -1))
+            if packed is not None:
+                return SoapRoutingContext(None, 0, packed=packed)
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             padding_mask = attention_mask[:, -length:]
             counts = torch.stack([padding_mask.sum(1), attention_mask[:, :-length].sum(1)]).long().tolist()  # one sync
