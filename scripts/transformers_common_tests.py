@@ -141,6 +141,7 @@ from llama_moe_hf.modeling import (  # also registers the families with the Auto
 )
 
 from ...causal_lm_tester import CausalLMModelTest, CausalLMModelTester
+from ...test_fsdp_mixin import FSDP_DISTRIBUTED_TEST_MODEL_TYPES
 
 # The common tests tell base models from heads (which get labels, which are trained, ...) by the class names in the
 # auto classes' name tables, which list transformers' own models only: list the family there as Mixtral is listed.
@@ -152,6 +153,9 @@ for table, model_class in (
     (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, {prefix}ForTokenClassification),
 ):
     table.setdefault({prefix}Config.model_type, model_class.__name__)
+
+# transformers runs its FSDP2 tests (each in 2 processes) for a list of model types, Mixtral's among them.
+FSDP_DISTRIBUTED_TEST_MODEL_TYPES.add({prefix}Config.model_type)
 
 
 class {prefix}ModelTester(CausalLMModelTester):
