@@ -335,11 +335,15 @@ def corrupt_tokenizer(tiny_moe_path, tmp_path):
     return model
 
 
-def test_a_corrupt_tokenizer_gets_one_line_naming_it(corrupt_tokenizer, tmp_path, capsys):
+def test_a_corrupt_tokenizer_gets_one_line_naming_it(corrupt_tokenizer, tmp_path, capsys, monkeypatch):
     message = f"Cannot read the tokenizer of {corrupt_tokenizer}"
+    (tmp_path / "data/offline/sft/chat").mkdir(parents=True)  # the SFT recipe's data, relative to the working folder
+    chat = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    (tmp_path / "data/offline/sft/chat/train.jsonl").write_text(json.dumps(chat) + "\n")
+    monkeypatch.chdir(tmp_path)
     assert main(["chat", str(corrupt_tokenizer), "--prompt", "hi"]) == 2
     assert message in one_error_line(capsys)
     flags = ["--model_name_or_path", str(corrupt_tokenizer), "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"]
     for script in ("continual_pretrain.py", "sft.py"):
         assert run_recipe(script, ["--config", str(RECIPES / RECIPE_FILES[script]), *flags]) == 2
-        assert message in one_error_line(capsys), script
+        assert message in last_error_line(capsys), script  # after datasets' progress bar (SFT)
