@@ -71,6 +71,8 @@ class Parser(TrlParser):
             if any(frame.name == "_inner_training_loop" for frame in frames):
                 raise
             self.fail(str(error))
+        finally:
+            end_process_group()
 
     def parse_args_and_config(self, args=None) -> tuple:
         args = list(sys.argv[1:] if args is None else args)
@@ -122,6 +124,14 @@ class Parser(TrlParser):
                 close = difflib.get_close_matches(key, actions, n=1)
                 self.error(f"{path}: unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
             actions[key].default, actions[key].required = value, False
+
+
+def end_process_group() -> None:
+    """Destroy the torch.distributed process group a run set up (the Trainer never does): a process that exits with
+    it alive can abort ("terminate called without an active exception", seen with FSDP2 over gloo on CPU)."""
+    distributed = sys.modules.get("torch.distributed")  # only if torch was imported: this module stays light
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 def read_config(path: str) -> dict:
