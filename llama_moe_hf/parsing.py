@@ -11,6 +11,7 @@ Light (no torch or transformers): `llama-moe --help` answers at once.
 
 import argparse
 import difflib
+import logging
 import os
 import sys
 import textwrap
@@ -65,14 +66,16 @@ class Parser(TrlParser):
         `llama-moe`'s commands. An error raised inside the Trainer's training loop keeps its traceback: that is a
         failure to debug, not input to correct."""
         try:
-            return function(*args)
+            result = function(*args)
         except (ValueError, OSError, ImportError, SafetensorError) as error:  # SafetensorError: e.g. a full disk
             frames = traceback.extract_tb(error.__traceback__)
             if any(frame.name == "_inner_training_loop" for frame in frames):
                 raise
-            self.fail(str(error))
-        finally:
             end_process_group()
+            self.fail(str(error))
+        if end_process_group():
+            exit_now(0)
+        return result
 
     def parse_args_and_config(self, args=None) -> tuple:
         args = list(sys.argv[1:] if args is None else args)
@@ -126,12 +129,24 @@ class Parser(TrlParser):
             actions[key].default, actions[key].required = value, False
 
 
-def end_process_group() -> None:
-    """Destroy the torch.distributed process group a run set up (the Trainer never does): a process that exits with
-    it alive can abort ("terminate called without an active exception", seen with FSDP2 over gloo on CPU)."""
+def end_process_group() -> bool:
+    """Destroy the torch.distributed process group a run set up (the Trainer never does); whether there was one."""
     distributed = sys.modules.get("torch.distributed")  # only if torch was imported: this module stays light
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        distributed.destroy_process_group()
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return False
+    distributed.destroy_process_group()
+    return True
+
+
+def exit_now(status: int) -> None:
+    """End a process of a distributed run without interpreter finalization, once its work is done and written.
+    There gloo's worker threads can still hold tensors and abort the process ("terminate called without an active
+    exception", SIGABRT) even after `destroy_process_group`: seen in CI with FSDP2 and DDP over gloo on CPU (torch
+    2.13; pytorch/pytorch#179291 describes it)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def read_config(path: str) -> dict:

@@ -38,6 +38,7 @@ from llama_moe_hf import (
     SoapMoEForCausalLM,
 )
 from llama_moe_hf.conversion.families.base import dense_config_fields
+from llama_moe_hf.parsing import end_process_group, exit_now
 
 REPO = Path(__file__).parents[1]
 GLOBAL_BATCH = 4
@@ -204,10 +205,11 @@ def main(output_dir: Path) -> None:
         record["zero3"] = {family: train_with_deepspeed(output_dir, world_size, family, 3) for family in FAMILIES}
     record["fsdp2"] = {family: train_plain_loop(family, rank, world_size) for family in FAMILIES}
     (output_dir / f"world{world_size}-rank{rank}.json").write_text(json.dumps(record))
-    if dist.is_initialized():  # gloo's threads left to interpreter exit can abort the process (SIGABRT, seen in CI)
+    if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    if end_process_group():  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)
+        exit_now(0)
