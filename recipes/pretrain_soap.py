@@ -47,7 +47,7 @@ from llama_moe_hf.similarity.options import BatchSimilarOptions
 from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
-from llama_moe_hf.training.distributed import BalanceLossWeightMixin, DistributedTrainingMixin
+from llama_moe_hf.training.distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
 from llama_moe_hf.training.resume import (
     LATEST,
     NEVER,
@@ -215,6 +215,7 @@ def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
                 shutil.rmtree(Path(training.output_dir) / stage, ignore_errors=True)
     training = dataclasses.replace(training, resume_from_checkpoint=None)  # each stage: its newest checkpoint
     routing_batch = torch.tensor(validation[:4]["input_ids"])
+    start_deepspeed_comm(training)
     model = dense_model(args, tokenizer, training.seed)
     warm_steps = max(1, round(args.dense_fraction * training.max_steps))
     warm_seconds = warm_up(model, args, training, train, warm_steps, routing_batch)

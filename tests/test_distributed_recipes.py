@@ -1,7 +1,8 @@
-"""The continual pre-training recipe over two CPU processes computes what it computes in one: under DDP and under
-FSDP2 (`--fsdp`, which accelerate alone turns into DDP on CPU), and with gradient accumulation. Each run starts with
-a line naming the distributed type and each process's parameter bytes; FSDP2's output loads as our own class."""
+"""The continual pre-training recipe over two CPU processes computes what it computes in one: under DDP, FSDP2
+(`--fsdp`, which accelerate alone turns into DDP on CPU) and ZeRO-3, and with gradient accumulation. Each run starts
+with a line naming the distributed type and each process's parameter bytes; FSDP2's output loads as our own class."""
 
+import importlib.util
 import json
 import os
 import re
@@ -16,6 +17,10 @@ from safetensors.torch import load_file
 REPO = Path(__file__).parents[1]
 RECIPE = REPO / "recipes" / "continual_pretrain.py"
 FSDP2 = ["--fsdp", "--fsdp_config", str(REPO / "recipes" / "accelerate" / "fsdp2_trainer.json")]
+ZERO3 = REPO / "recipes" / "accelerate" / "ds_zero3.json"
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install deepspeed)"
+)
 PLACEMENT = re.compile(r"Distributed type (\w+), (\d) process\(es\); parameter bytes of [\d.]+ MiB: (.*)")
 # SGD: float-noise differences in gradients that are nearly zero stay nearly zero (AdamW's first steps turn them
 # into +-lr, which no tolerance on the weights could cover). Observed: at most 3e-6 apart.
@@ -49,12 +54,15 @@ def _run(tiny_moe_path, domains, output: Path, processes: int, batch: int, *extr
 @pytest.fixture(scope="module")
 def runs(tiny_moe_path, domains, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("distributed")
-    return {
+    runs = {
         "one": _run(tiny_moe_path, domains, root / "one", 1, 4),
         "accumulated": _run(tiny_moe_path, domains, root / "accumulated", 1, 2, "--gradient_accumulation_steps", "2"),
         "ddp": _run(tiny_moe_path, domains, root / "ddp", 2, 2),
         "fsdp2": _run(tiny_moe_path, domains, root / "fsdp2", 2, 2, *FSDP2),
     }
+    if importlib.util.find_spec("deepspeed"):  # ZeRO-3 builds the model partitioned inside from_pretrained
+        runs["zero3"] = _run(tiny_moe_path, domains, root / "zero3", 2, 2, "--deepspeed", str(ZERO3))
+    return runs
 
 
 def test_training_moves_the_weights_well_beyond_the_tolerance(runs, tiny_moe_path):
@@ -69,7 +77,15 @@ def test_each_run_says_how_the_model_is_spread(runs):
     assert all(45 <= share <= 55 for share in runs["fsdp2"]["shares"]), runs["fsdp2"]["shares"]  # really sharded
 
 
-@pytest.mark.parametrize("name", ["accumulated", "ddp", "fsdp2"])
+@needs_deepspeed
+def test_zero3_partitions_the_model_on_cpu_processes(runs):
+    """ZeRO-3's `zero.Init` inside from_pretrained saw one process on CPU (DeepSpeed's comm was never started) and
+    refused the batch sizes; now each rank holds half of the parameter bytes."""
+    assert runs["zero3"]["kind"] == "DEEPSPEED"
+    assert all(45 <= share <= 55 for share in runs["zero3"]["shares"]), runs["zero3"]["shares"]
+
+
+@pytest.mark.parametrize("name", ["accumulated", "ddp", "fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
 def test_same_training_as_one_process(runs, name):
     """The balance loss is on (the recipe's 0.01): before its weight was fixed, it grew with the processes and the
     accumulation steps, and the losses of these runs were 0.02 above the one-process run's."""

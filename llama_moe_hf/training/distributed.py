@@ -84,6 +84,20 @@ class BalanceLossWeightMixin:
         return (loss, outputs) if return_outputs else loss
 
 
+def start_deepspeed_comm(training) -> None:
+    """Before a model is loaded under DeepSpeed: ZeRO-3 builds it already partitioned inside `from_pretrained`
+    (`zero.Init`), which takes the number of processes from DeepSpeed's own comm. accelerate starts that comm only for
+    accelerator devices; on CPU processes it stayed unstarted and `zero.Init` saw one process (DeepSpeed:
+    "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 1 * 1")."""
+    if not training.deepspeed or training.world_size < 2:  # world_size sets up torch.distributed
+        return
+    import torch.distributed as dist
+    from deepspeed import comm
+
+    if dist.is_initialized() and not comm.is_initialized():
+        comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
 class PlacementReport(TrainerCallback):
     """Logs, once the model is wrapped, the distributed type and the parameter bytes each process holds."""
 
@@ -93,11 +107,10 @@ class PlacementReport(TrainerCallback):
 
         held, total = parameter_bytes(model)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        gathered = [None] * world
+        gathered = [held]
         if world > 1:
+            gathered = [None] * world
             dist.all_gather_object(gathered, held)
-        else:
-            gathered = [held]
         if state.is_world_process_zero:
             kind = PartialState().distributed_type.value
             shares = ", ".join(f"rank {rank} {_mb(b)} ({b / total:.0%})" for rank, b in enumerate(gathered))

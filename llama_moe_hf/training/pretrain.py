@@ -19,7 +19,7 @@ from transformers import Trainer, TrainingArguments
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
-from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin
+from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
     DomainMixture,
@@ -138,6 +138,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
     names = [domain.name for domain in domains]
     weights = DomainWeights(names, resolve_weights(args.domain_weights, names))
     sampling = _dynamic_sampling(args, training, domains, weights) if args.sampling == "dynamic" else None
+    start_deepspeed_comm(training)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     output_router_logits = getattr(model.config, "output_router_logits", None)
     if output_router_logits is not None:  # an MoE: train with the balance loss

@@ -139,6 +139,7 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     from trl import SFTTrainer
 
     from ..conversion.sources.folder import read_tokenizer
+    from .distributed import start_deepspeed_comm
 
     dataset, shares = _load_data(script_args, training, dataset_args)
     source, trust = model_args.model_name_or_path, training.trust_remote_code
@@ -147,6 +148,7 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
         check_teacher(source, teacher)
     dtype = model_args.dtype if model_args.dtype not in (None, "auto") else torch.float32
     tokenizer = read_tokenizer(source, trust_remote_code=trust)  # before the model: a broken one fails at once
+    start_deepspeed_comm(training)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
     as_loaded = {"output_router_logits": getattr(model.config, "output_router_logits", None)}
     if moe.freeze_routers:
