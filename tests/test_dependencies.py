@@ -53,8 +53,8 @@ def imported_modules() -> set[str]:
 def test_every_import_is_a_requirement_or_an_optional_package_checked_up_front():
     required, extras = requirements()
     assert {"k_means_constrained", "sklearn", "matplotlib", "datasets"} <= required  # convert, batch-similar, analyze
-    # each optional one goes through preflight.require (DeepSpeed is imported by transformers' Trainer, not here)
-    assert imported_modules() - required == set(OPTIONAL) - {"deepspeed"}
+    # each optional one goes through preflight.require (DeepSpeed: `check_training`, for --deepspeed)
+    assert imported_modules() - required == set(OPTIONAL)
     for module, (package, extra) in OPTIONAL.items():  # the install line the error prints installs the module
         assert module == module_of(package) in extras[extra], module
 
