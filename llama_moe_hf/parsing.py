@@ -73,8 +73,7 @@ class Parser(TrlParser):
                 raise
             end_process_group()
             self.fail(str(error))
-        if end_process_group():
-            exit_now(0)
+        finish_distributed_run()
         return result
 
     def parse_args_and_config(self, args=None) -> tuple:
@@ -83,12 +82,9 @@ class Parser(TrlParser):
         path, args = parser._take_config(args)
         if path is not None:
             parser._apply_config(path)
-        if self.preflight is not None:
-            try:
+        try:  # the preflight, then the dataclasses' own checks (TrainingArguments' FSDP settings, ...)
+            if self.preflight is not None:
                 self.preflight(self.parse_known_args(args)[0])
-            except (ValueError, ImportError, OSError) as error:
-                self.fail(str(error))
-        try:  # the dataclasses' own checks (TrainingArguments' FSDP settings, accelerate's DeepSpeed config)
             return self.parse_args_into_dataclasses(args)
         except (ValueError, ImportError, OSError) as error:
             self.fail(str(error))
@@ -138,15 +134,16 @@ def end_process_group() -> bool:
     return True
 
 
-def exit_now(status: int) -> None:
-    """End a process of a distributed run without interpreter finalization, once its work is done and written.
-    There gloo's worker threads can still hold tensors and abort the process ("terminate called without an active
-    exception", SIGABRT) even after `destroy_process_group`: seen in CI with FSDP2 and DDP over gloo on CPU (torch
-    2.13; pytorch/pytorch#179291 describes it)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+def finish_distributed_run() -> None:
+    """In a process of a distributed run whose work is done and written: destroy the process group and exit at once,
+    without interpreter finalization. There gloo's worker threads can still hold tensors and abort the process
+    ("terminate called without an active exception", SIGABRT) even after `destroy_process_group`: seen in CI with
+    FSDP2 and DDP over gloo on CPU (torch 2.13; pytorch/pytorch#179291 describes it). Elsewhere: nothing."""
+    if end_process_group():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def read_config(path: str) -> dict:

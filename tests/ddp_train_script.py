@@ -13,7 +13,7 @@ from transformers import Trainer, TrainingArguments
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
 from llama_moe_hf.conversion.families.base import dense_config_fields
-from llama_moe_hf.parsing import end_process_group, exit_now
+from llama_moe_hf.parsing import finish_distributed_run
 
 
 def main(output_dir: Path):
@@ -49,5 +49,4 @@ def main(output_dir: Path):
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    if end_process_group():  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)
-        exit_now(0)
+    finish_distributed_run()  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
-from llama_moe_hf.parsing import end_process_group, exit_now
+from llama_moe_hf.parsing import finish_distributed_run
 
 
 def main(folder: str, out: str) -> None:
@@ -31,5 +31,4 @@ def main(folder: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    if end_process_group():  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)
-        exit_now(0)
+    finish_distributed_run()  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)

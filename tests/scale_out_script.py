@@ -38,7 +38,7 @@ from llama_moe_hf import (
     SoapMoEForCausalLM,
 )
 from llama_moe_hf.conversion.families.base import dense_config_fields
-from llama_moe_hf.parsing import end_process_group, exit_now
+from llama_moe_hf.parsing import finish_distributed_run
 
 REPO = Path(__file__).parents[1]
 GLOBAL_BATCH = 4
@@ -211,5 +211,4 @@ def main(output_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    if end_process_group():  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)
-        exit_now(0)
+    finish_distributed_run()  # gloo's threads can abort a process at interpreter exit (SIGABRT, seen in CI)

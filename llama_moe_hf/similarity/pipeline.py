@@ -96,13 +96,13 @@ def _documents(options: BatchSimilarOptions) -> list[str]:
 
 def load_tokenizer(name: str | None, trust_remote_code: bool = False):
     """The tokenizer of a folder or Hub id; None: the built-in default model's."""
-    from transformers import AutoTokenizer
+    from ..conversion.sources.folder import read_tokenizer
 
     if name is None:
         from ..conversion.sources import default_model_path
 
-        return AutoTokenizer.from_pretrained(default_model_path())
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return read_tokenizer(default_model_path())
+    return read_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _write(packed, output: Path, fmt: str, overwrite: bool) -> None:

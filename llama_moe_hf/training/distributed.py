@@ -124,16 +124,13 @@ def parameter_bytes(model) -> tuple[int, int]:
     local shard; a ZeRO-3 parameter holds its partition (`ds_tensor`) and reports its full size in `ds_numel`."""
     held = total = 0
     for parameter in model.parameters():
-        size = parameter.element_size()
         if hasattr(parameter, "ds_tensor"):
-            held += parameter.ds_tensor.numel() * size
-            total += parameter.ds_numel * size
-        elif hasattr(parameter, "to_local"):
-            held += parameter.to_local().numel() * size
-            total += parameter.numel() * size
+            local, whole = parameter.ds_tensor.numel(), parameter.ds_numel
         else:
-            held += parameter.numel() * size
-            total += parameter.numel() * size
+            local = parameter.to_local().numel() if hasattr(parameter, "to_local") else parameter.numel()
+            whole = parameter.numel()
+        held += local * parameter.element_size()
+        total += whole * parameter.element_size()
     return held, total
 
 
