@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.parsing import finish_distributed_run
+from llama_moe_hf.source_families import dense_config_fields
 
 
 def main(output_dir: Path):

@@ -9,12 +9,20 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, MoERecipe
 from llama_moe_hf.conversion.calibration import CalibrationContext
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.source_families import dense_config_fields, source_family
 
 TINY_VOCAB = 128
 
@@ -46,6 +54,52 @@ def tiny_moe(seed: int = 0, **moe_fields) -> LlamaMoEForCausalLM:
     torch.manual_seed(seed)
     fields = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24} | moe_fields
     return LlamaMoEForCausalLM(LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)).eval()
+
+
+# Tiny dense models of every source family, each with its distinctive features on (tests/test_source_families.py)
+SOURCE_FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+WINDOW = 5  # shorter than the test sequences: the sliding-window layers see less than the full ones
+FAMILY_CONFIGS = {
+    "llama": (LlamaConfig, dict(attention_bias=True, rope_parameters={"rope_type": "linear", "factor": 2.0})),
+    "mistral": (MistralConfig, dict(sliding_window=WINDOW, head_dim=12)),
+    "qwen2": (Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3": (Qwen3Config, dict(head_dim=12, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "phi3": (Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
+}
+
+
+def tiny_source(family: str, seed: int = 0, **overrides):
+    """A seeded random dense model of `family` (its `FAMILY_CONFIGS` features, then `overrides`) whose norms and
+    biases are random too (so q/k norms and biases matter), in eval mode."""
+    config_class, fields = FAMILY_CONFIGS[family]
+    config = config_class(**SOURCE_FIELDS, **(fields | overrides))
+    torch.manual_seed(seed)
+    model = source_family({"model_type": family}, family).model_class()(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+def save_tiny_source(path: Path, family: str, seed: int = 0, **overrides):
+    """`tiny_source` saved as safetensors with a character tokenizer; returns the model."""
+    model = tiny_source(family, seed, **overrides)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return model
 
 
 def char_tokenizer():

@@ -37,8 +37,8 @@ from llama_moe_hf import (
     SoapMoEConfig,
     SoapMoEForCausalLM,
 )
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.parsing import finish_distributed_run
+from llama_moe_hf.source_families import dense_config_fields
 
 REPO = Path(__file__).parents[1]
 GLOBAL_BATCH = 4

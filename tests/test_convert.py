@@ -16,7 +16,7 @@ from helpers import folder_hashes, load_moe, logits, save_tiny_dense, tiny_llama
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from llama_moe_hf import METHODS, convert_to_moe
 from llama_moe_hf.conversion.card import PROJECT_URL, card_for_repo, quality_section
@@ -440,14 +440,9 @@ def test_missing_source(workspace):
         convert_to_moe(out_root.parent / "missing.gguf", out_root / "moe", progress=False)
 
 
-def test_refuses_other_architectures_and_mlp_bias(workspace, tmp_path):
+def test_refuses_mlp_bias_and_converted_models(workspace, tmp_path):
+    """(Architectures outside the source families: tests/test_source_families.py.)"""
     _, out_root = workspace
-    mistral = tmp_path / "mistral"
-    MistralForCausalLM(MistralConfig(**tiny_llama_config().to_diff_dict() | {"model_type": "mistral"})).save_pretrained(
-        mistral
-    )
-    with pytest.raises(ValueError, match="is a 'mistral' model; only dense LLaMA"):
-        convert_to_moe(mistral, out_root / "moe", progress=False)
     biased = _save_config_only(tmp_path / "biased", tiny_llama_config(mlp_bias=True))
     with pytest.raises(ValueError, match="mlp_bias=True"):
         convert_to_moe(biased, out_root / "moe", progress=False)

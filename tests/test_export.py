@@ -9,13 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import load_moe, logits, save_tiny_moe, tiny_llama, tiny_llama_config
+from helpers import load_moe, logits, save_tiny_moe, save_tiny_source, tiny_llama, tiny_llama_config
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, convert_to_moe
 from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.export import export_model
 from llama_moe_hf.export.gguf import rope_permute
+from llama_moe_hf.source_families import dense_config_fields
 
 pytestmark = pytest.mark.smoke  # exports go through transformers' own MoE classes: checked on every pinned release
 
@@ -99,6 +99,51 @@ def test_every_method_exports_exactly_to_mixtral_and_qwen2_moe(converted, tiny_d
         assert model_class == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[target]
         difference = (target_logits - source_logits[name]).abs().max().item()
         assert difference < 1e-5, (name, target, difference)
+
+
+# (source family, its config overrides, convert fields, target): sources other than LLaMA exported to the stock
+# family whose attention is theirs
+SOURCE_EXPORTS = [
+    ("qwen3", dict(use_sliding_window=False), dict(method="upcycle"), "qwen3_moe"),
+    ("qwen3", dict(max_window_layers=0), dict(router_type="switch", moe_layers=["1"]), "qwen3_moe"),  # all windowed
+    ("qwen2", {}, dict(method="upcycle"), "qwen2_moe"),  # real q/k/v biases, window in layer 1 only
+    ("qwen2", {}, dict(num_experts=3, num_shared_experts=1, moe_layers=["0"]), "qwen2_moe"),
+    ("mistral", {}, dict(method="upcycle"), "mixtral"),  # a window in every layer
+    ("mistral", dict(sliding_window=None, head_dim=8), dict(num_experts=3, num_shared_experts=1), "qwen2_moe"),
+]
+
+
+def test_sources_export_exactly_to_the_stock_family_of_their_attention(tmp_path):
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    exported = {}
+    for i, (family, overrides, fields, target) in enumerate(SOURCE_EXPORTS):
+        save_tiny_source(tmp_path / f"dense{i}", family, seed=i, **overrides)
+        fields = {"num_experts": 4, "top_k": 2, **fields}
+        moe = convert_to_moe(tmp_path / f"dense{i}", tmp_path / f"moe{i}", eval=False, progress=False, **fields)
+        result = export_model(moe.output_dir, target, tmp_path / f"{target}{i}", progress=False)
+        exported[str(result.output_dir)] = logits(load_moe(moe.output_dir), input_ids)
+    for folder, (model_class, target_logits) in load_elsewhere(list(exported), input_ids).items():
+        assert (target_logits - exported[folder]).abs().max() < 1e-5, (folder, model_class)
+
+
+def test_targets_give_every_reason_they_cannot_represent_a_source(tmp_path, capsys):
+    cases = [
+        ("qwen3", {}, dict(num_experts=3, num_shared_experts=1), "qwen3_moe", ["mixes sliding", "shared experts (1)"]),
+        ("qwen3", {}, {}, "mixtral", ["its source is qwen3 (q/k RMS norms), and mixtral's attention is that of llama"]),
+        ("phi3", {}, {}, "qwen2_moe", ["its source is phi3 (a fused qkv_proj, partial RoPE)"]),
+        ("llama", {}, {}, "qwen2_moe", ["an o_proj bias (attention_bias)"]),
+        ("llama", {}, {}, "qwen3_moe", ["its source is llama (LLaMA attention), and qwen3_moe's attention is that of"]),
+        ("mistral", {}, {}, "gguf", ["its source is mistral", "attention is that of llama"]),
+    ]
+    for i, (family, overrides, fields, target, reasons) in enumerate(cases):
+        save_tiny_source(tmp_path / f"dense{i}", family, seed=i, **overrides)
+        fields = {"num_experts": 4, **fields}
+        moe = convert_to_moe(tmp_path / f"dense{i}", tmp_path / f"moe{i}", eval=False, progress=False, **fields)
+        moe = moe.output_dir
+        capsys.readouterr()  # the tiny source's save progress
+        error = refusal([str(moe), "--to", target, "--output", str(tmp_path / "out")], capsys)
+        assert f"Cannot export this model to {target} exactly: " in error
+        assert all(reason in error for reason in reasons), (error, reasons)
 
 
 def test_per_layer_scales_switch_and_inference_only_routers(tmp_path):
@@ -282,13 +327,15 @@ def test_a_router_with_no_known_exact_mapping_is_refused_not_exported_as_top_k(c
     as the softmax top-k the targets compute."""
     from transformers import AutoConfig
 
-    from llama_moe_hf.export.base import check_llama_moe
+    from llama_moe_hf.export import TARGETS
 
     config = AutoConfig.from_pretrained(converted["random"])
-    assert check_llama_moe(config) == []
+    assert [name for name in TARGETS if TARGETS[name].supports(config)] == ["qwen3_moe"]  # a LLaMA source
     object.__setattr__(config, "router_type", "future_gate")
-    with pytest.raises(ValueError, match="Cannot export router_type 'future_gate'.*no exact mapping"):
-        check_llama_moe(config)
+    for name in TARGETS:
+        assert "router_type 'future_gate'" in TARGETS[name].supports(config)[0]
+        with pytest.raises(ValueError, match="Cannot export this model to .* exactly: router_type 'future_gate'"):
+            TARGETS[name](config).check()
 
 
 def test_half_precision_export_notes_the_routers_precision(converted, tmp_path):

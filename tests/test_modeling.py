@@ -16,7 +16,6 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe
 from llama_moe_hf.modeling.modeling_llama_moe import (
     CACHE_ARG,
@@ -24,6 +23,7 @@ from llama_moe_hf.modeling.modeling_llama_moe import (
     LlamaMoERouter,
     router_z_loss_func,
 )
+from llama_moe_hf.source_families import dense_config_fields
 
 
 @pytest.fixture(scope="module")

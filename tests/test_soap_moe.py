@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
 from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.families.base import dense_config_fields
 from llama_moe_hf.modeling.modeling_llama_moe import output_cache
+from llama_moe_hf.source_families import dense_config_fields
 
 SEGMENT = 8
 

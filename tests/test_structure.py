@@ -133,3 +133,11 @@ def test_one_version_for_the_package_its_metadata_and_the_model_code_folders_car
     requirements = [Requirement(line) for line in importlib.metadata.requires("llama-moe-hf")]
     pin = next(r.specifier for r in requirements if r.name == "transformers")
     assert pin == Requirement(f"transformers{TRANSFORMERS_REQUIREMENT}").specifier
+
+
+def test_the_readme_supported_models_table_is_the_registries():
+    from llama_moe_hf.supported import README, START, updated
+
+    readme = README.read_text()
+    assert START in readme
+    assert updated(readme) == readme, "README.md's table is stale: run `python -m llama_moe_hf.supported`"

@@ -7,6 +7,7 @@ from ..conversion.choices import ROUTER_TYPES
 from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path, sparsity_presets
 from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
 from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
+from ..source_families import SOURCE_FAMILIES
 
 
 def flag_choices() -> dict[str, list[str]]:
@@ -38,8 +39,9 @@ def register(subparsers) -> None:
     RunOptions._argument_group_name = "how to run"
     parser = subparsers.add_parser(
         "convert",
-        help="convert a dense LLaMA checkpoint into an MoE checkpoint",
-        description="Convert a dense LLaMA checkpoint into an MoE checkpoint folder, streaming one layer at a time. "
+        help="convert a dense LLaMA-like checkpoint into an MoE checkpoint",
+        description="Convert a dense checkpoint (source families: "
+        f"{', '.join(SOURCE_FAMILIES)}) into an MoE checkpoint folder, streaming one layer at a time. "
         "--preset NAME or --config FILE reads a recipe file (flat YAML of these flags); flags given as well override "
         f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}; for a given "
         f"share of the FFN active per token (what sets the speed), --preset {' / '.join(sparsity_presets())} (each "
@@ -92,7 +94,7 @@ def expand_preset(argv: list[str]) -> list[str]:
 def components_text() -> str:
     """The registered components and their descriptions, for `--help`."""
     lines = []
-    for registry in REGISTRIES:
+    for registry in [SOURCE_FAMILIES, *REGISTRIES]:
         lines.append(f"{registry.plural}:")
         lines.extend(help_entry(name, component.description, 16) for name, component in registry.items())
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """`llama-moe export MODEL --to TARGET --output DIR`: its flags are `ExportOptions` and the targets' options."""
 
-from ..conversion.registry import option_fields
 from ..export import TARGETS, ExportOptions, export_model
+from ..registry import option_fields
 
 
 def option_classes() -> list[type]:

@@ -103,8 +103,18 @@ def _settings_rows(plan, source) -> str:
         ("Seed", plan.recipe.seed),
         ("Weights dtype", str(plan.config.dtype).replace("torch.", "")),
         ("Source", f"`{public(source.description)}`"),
+        ("Source family", _source_family_text(plan.config)),
     ]
     return "\n".join(f"| {name} | {value} |" for name, value in settings)
+
+
+def _source_family_text(config) -> str:
+    """The source family, with what of its attention the model keeps (its transformers modules, as they are)."""
+    from ..source_families import SOURCE_FAMILIES
+
+    family = SOURCE_FAMILIES[config.source_model_type]
+    kept = f"attention, norms and RoPE are transformers' own {family.name} modules"
+    return f"`{family.name}`: {family.description} ({kept})"
 
 
 def code_text() -> str:

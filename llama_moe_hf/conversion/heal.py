@@ -157,7 +157,7 @@ def _healed_tensors(moe, teacher, healer, progress: bool):
     for layer_idx in tqdm(range(moe.config.num_hidden_layers), desc="Healing layers", disable=not progress):
         prefix = f"model.layers.{layer_idx}."
         tensors = {n[len(prefix) :]: moe.tensor(n) for n in moe.layer_names(layer_idx)}
-        dense = {n[len(prefix) :]: teacher.tensor(n) for n in teacher.layer_names(layer_idx) if ".mlp." in n}
+        dense = {n: t for n, t in teacher.layer_tensors(layer_idx).items() if n.startswith("mlp.")}
         for name, tensor in healer.heal(layer_idx, tensors, dense).items():
             yield prefix + name, tensor
 

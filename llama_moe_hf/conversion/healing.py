@@ -97,8 +97,13 @@ class LayerHealer:
             with torch.no_grad():
                 targets = _swiglu(inputs, dense_mlp, self.config.hidden_act)
             before = _relative_error(layer.mlp, inputs, targets)
+            start = {k: v.clone() for k, v in layer.mlp.state_dict().items()}
             _train_block(layer.mlp, inputs, targets, self.settings, layer_idx)
-            self.errors[layer_idx] = (before, _relative_error(layer.mlp, inputs, targets))
+            after = _relative_error(layer.mlp, inputs, targets)
+            if after > before:  # a step too large for this layer (few tokens): healing never makes a layer worse
+                layer.mlp.load_state_dict(start)
+                after = before
+            self.errors[layer_idx] = (before, after)
         with torch.no_grad():
             self.hidden = attended + _batched(layer.mlp, inputs).view_as(attended)
         healed = {f"mlp.{k}": v.detach().cpu() for k, v in layer.mlp.state_dict().items()}

@@ -295,7 +295,7 @@ class ConversionPlan:
         what = "Converting and healing layers" if self.healer else "Converting layers"
         for layer_idx in tqdm(layers, desc=what, unit="layer", disable=not progress):
             prefix = f"model.layers.{layer_idx}."
-            dense = {name[len(prefix) :]: source.tensor(name) for name in source.layer_names(layer_idx)}
+            dense = source.layer_tensors(layer_idx)
             tensors = self.layer_tensors(layer_idx, dense, context)
             if self.healer is not None:  # on the tensors as written, so that healing later gives the same
                 tensors = self.healer.heal(layer_idx, {k: v.to(self.config.dtype) for k, v in tensors.items()}, dense)

@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from ..source_families import SOURCE_FAMILIES
 from . import components  # noqa: F401  (registers the built-in components)
 from .registry import option_owner
 
@@ -120,7 +121,11 @@ class RunOptions:
     """How to run a conversion: source and output paths, dtype, device, card and Hub settings."""
 
     model: str | None = dataclasses.field(
-        default=None, metadata={"help": "local folder, Hub repo id or .gguf file (default: SmolLM2-135M-Instruct)"}
+        default=None,
+        metadata={
+            "help": "local folder, Hub repo id or .gguf file of a dense model of the source families "
+            f"{', '.join(SOURCE_FAMILIES)} (default: SmolLM2-135M-Instruct)"
+        },
     )
     tokenizer: str | None = dataclasses.field(
         default=None, metadata={"help": "tokenizer folder or Hub id, for a --model without one (default: --model's)"}

@@ -1,110 +1,37 @@
-"""The conversion's extension points, each a registry of components by name (as mergekit registers merge methods).
+"""The conversion's extension points (the machinery is `llama_moe_hf.registry`'s):
 
     METHODS        construction methods: how a dense block becomes experts (`methods/`, one module each)
     ROUTER_INITS   router initialisations: where a new router's weights come from (`routers/`, one module each)
     FAMILIES       model families: the output config and model classes, card rows, `info` lines (`families/`)
 
-A component is a class registered under its name, with a one-line `description` and `Options`: a dataclass of the
-settings it accepts. Option names are flat and unique across all registries, because they are CLI flags and recipe
-keys as they are (`cluster_on` is `--cluster-on` and `cluster_on:`). The CLI, the recipe file, the model card and
-`llama-moe info` are generated from these registries, so adding a component is one module:
-
-    @METHODS.register("halves")
-    class Halves(SplitMethod):
-        description = "Expert e takes every E-th neuron, starting at e."
-
-        def split(self, layer_idx, dense, context):
-            ...
-
+Their options are the flags of `llama-moe convert` and the keys of a recipe file, so they share one namespace.
 This module imports nothing heavy: the command line reads the registries before torch is imported.
 """
 
-import dataclasses
-from collections.abc import Iterator
-from typing import Any
+from ..registry import NoOptions, Registry, component_options, option, option_fields, option_names
 
+REGISTRIES: list[Registry] = []  # the namespace of the convert flags
+METHODS = Registry("construction method", "construction methods", REGISTRIES)
+ROUTER_INITS = Registry("router initialisation", "router initialisations", REGISTRIES)
+FAMILIES = Registry("model family", "model families", REGISTRIES)
 
-@dataclasses.dataclass(frozen=True)
-class NoOptions:
-    """A component that takes no settings."""
-
-
-def option(default: Any, help: str, **metadata) -> Any:
-    """A component setting: a dataclass field whose `help` (and `choices`, ...) become its CLI flag's."""
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
-
-
-class Registry:
-    """Name -> component class, for one kind of component."""
-
-    def __init__(self, kind: str, plural: str):
-        self.kind, self.plural = kind, plural
-        self._components: dict[str, type] = {}
-
-    def register(self, name: str):
-        """Class decorator: register the component under `name` (its `name` attribute is set)."""
-
-        def decorator(component: type) -> type:
-            if name in self._components:
-                raise ValueError(f"A {self.kind} named {name!r} is registered already.")
-            options = getattr(component, "Options", NoOptions)
-            if not dataclasses.is_dataclass(options):
-                raise TypeError(f"{component.__name__}.Options must be a dataclass.")
-            taken = {field: owner for owner, field in _option_owners() if field in option_names(component)}
-            if taken:
-                raise ValueError(f"{self.kind} {name!r}: option names already used by {taken}.")
-            component.name = name
-            self._components[name] = component
-            return component
-
-        return decorator
-
-    def unregister(self, name: str) -> None:
-        del self._components[name]
-
-    def __getitem__(self, name: str) -> type:
-        if name not in self._components:
-            raise ValueError(f"Unknown {self.kind} {name!r}; choose one of {', '.join(self._components)}.")
-        return self._components[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._components
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._components)
-
-    def items(self):
-        return self._components.items()
-
-
-METHODS = Registry("construction method", "construction methods")
-ROUTER_INITS = Registry("router initialisation", "router initialisations")
-FAMILIES = Registry("model family", "model families")
-REGISTRIES = (METHODS, ROUTER_INITS, FAMILIES)
-
-
-def option_fields(component: type) -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(getattr(component, "Options", NoOptions))
-
-
-def option_names(component: type) -> set[str]:
-    return {field.name for field in option_fields(component)}
-
-
-def component_options(component: type, recipe_options: dict):
-    """The component's `Options`, filled from a resolved recipe's `options`."""
-    return getattr(component, "Options", NoOptions)(**{name: recipe_options[name] for name in option_names(component)})
-
-
-def _option_owners() -> Iterator[tuple[str, str]]:
-    for registry in REGISTRIES:
-        for name, component in registry.items():
-            for field in option_fields(component):
-                yield f"{registry.kind} {name!r}", field.name
+__all__ = [
+    "FAMILIES",
+    "METHODS",
+    "REGISTRIES",
+    "ROUTER_INITS",
+    "NoOptions",
+    "Registry",
+    "component_options",
+    "option",
+    "option_fields",
+    "option_names",
+    "option_owner",
+]
 
 
 def option_owner(option: str) -> tuple[Registry, str] | None:
-    """The (registry, component name) that accepts `option`, or None."""
+    """The (registry, component name) that accepts the convert option `option`, or None."""
     for registry in REGISTRIES:
         for name, component in registry.items():
             if option in option_names(component):

@@ -7,6 +7,7 @@ A checkpoint tensor is read once and described as one or more *roles* (`checkpoi
     embed [V, H]   norm [H]   lm_head [V, H]                          (lm_head absent with tied embeddings)
     attn_norm [H]   ffn_norm [H]                                      (per layer, as are all below)
     q [nH*d, H]   k [nKV*d, H]   v [nKV*d, H]   o [H, nH*d]
+    q_bias [nH*d]   k_bias, v_bias [nKV*d]   o_bias [H]   q_norm, k_norm [d]   (as the source family has them)
     dense_gate [I, H]   dense_up [I, H]   dense_down [H, I]           (layers outside `moe_layers`)
     router [E, H]
     gate_exps [E, m, H]   up_exps [E, m, H]   down_exps [E, H, m]     (the layer's score scale folded into down)
@@ -19,7 +20,7 @@ values, so the list of tensors a target writes is planned by running it on meta 
 import re
 from collections.abc import Iterator
 
-from ..conversion.registry import NoOptions
+from ..registry import NoOptions
 
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GLOBAL_ROLES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
@@ -30,6 +31,12 @@ LAYER_ROLES = {
     "self_attn.k_proj.weight": "k",
     "self_attn.v_proj.weight": "v",
     "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "dense_gate",
     "mlp.up_proj.weight": "dense_up",
     "mlp.down_proj.weight": "dense_down",
@@ -102,28 +109,54 @@ def checkpoint_roles(config, name: str, tensor) -> Iterator[tuple[str, int | Non
         raise ValueError(f"The checkpoint holds {name}, which no export target knows how to write.")
 
 
-def check_llama_moe(config) -> list[str]:
-    """Refuse (one ValueError) what no target expresses exactly; return notes on what is exported as inference
-    computes it."""
+def model_reasons(config) -> list[str]:
+    """Why no target can export this model exactly (empty: each target's `supports` decides the rest)."""
     if config.model_type in REFUSED_FAMILIES:
-        raise ValueError(f"Cannot export this model exactly: {REFUSED_FAMILIES[config.model_type]}.")
+        return [REFUSED_FAMILIES[config.model_type]]
     if config.model_type != "llama_moe":
-        raise ValueError(f"This is a {config.model_type!r} model, not a converted LlamaMoE checkpoint (llama_moe).")
+        return [f"it is a {config.model_type!r} model, not a converted LlamaMoE checkpoint (llama_moe)"]
+    reasons = []
     if config.router_type in REFUSED_ROUTERS:
-        raise ValueError(
-            f"Cannot export router_type {config.router_type!r} exactly: {REFUSED_ROUTERS[config.router_type]}."
+        reasons.append(f"router_type {config.router_type!r}: {REFUSED_ROUTERS[config.router_type]}")
+    elif config.router_type not in EXACT_ROUTERS and config.router_type not in INFERENCE_TOP_K:
+        reasons.append(
+            f"router_type {config.router_type!r}: the targets route by a softmax top-k of linear logits "
+            f"({', '.join(EXACT_ROUTERS + tuple(INFERENCE_TOP_K))} map onto it), and no exact mapping of this "
+            "router is known"
         )
-    if config.router_type not in EXACT_ROUTERS and config.router_type not in INFERENCE_TOP_K:
-        raise ValueError(
-            f"Cannot export router_type {config.router_type!r}: the targets route by a softmax top-k of linear "
-            f"logits ({', '.join(EXACT_ROUTERS + tuple(INFERENCE_TOP_K))} map onto it), and no exact mapping of this "
-            "router is known."
-        )
-    if config.attention_bias or config.mlp_bias:
-        raise ValueError(
-            "Cannot export a model with attention_bias or mlp_bias exactly: the targets' o_proj and MLPs have no bias."
-        )
+    if config.mlp_bias:
+        reasons.append("mlp_bias: the targets' MLPs have no bias")
+    return reasons
+
+
+def inference_notes(config) -> list[str]:
+    """What is exported as inference computes it (a router whose training-time routing differs)."""
     return [INFERENCE_TOP_K[config.router_type]] if config.router_type in INFERENCE_TOP_K else []
+
+
+def attention_reasons(config, target: str, sources: tuple[str, ...]) -> list[str]:
+    """Why `target`, whose attention computes that of the source families `sources` exactly, cannot take this
+    model's attention (its source family's)."""
+    from ..source_families import SOURCE_FAMILIES
+
+    source = config.source_model_type
+    if source in sources:
+        return []
+    features = SOURCE_FAMILIES[source].attention_features if source in SOURCE_FAMILIES else "its own attention"
+    usable = [name for name in sources if name in SOURCE_FAMILIES]
+    return [f"its source is {source} ({features}), and {target}'s attention is that of {' or '.join(usable)}"]
+
+
+def window_reasons(config, target: str) -> list[str]:
+    """`target` has one attention kind for every layer: refuse a mix of sliding and full layers."""
+    if len(set(config.layer_types)) > 1:
+        return [f"it mixes sliding-window and full attention layers, and {target} has one kind for every layer"]
+    return []
+
+
+def uniform_window(config) -> int | None:
+    """The sliding window of every layer (None: full attention everywhere)."""
+    return config.sliding_window if config.layer_types and config.layer_types[0] == "sliding_attention" else None
 
 
 def dense_layers(config) -> list[int]:
@@ -142,10 +175,11 @@ def per_expert(template: str, layer: int | None, tensor) -> Iterator[tuple[str, 
 
 class ExportTarget:
     """A format a converted model is exported to. Subclass, set `description`, register with
-    `@TARGETS.register(name)`, and implement `role_tensors` and `write`.
+    `@TARGETS.register(name)`, and implement `supports`, `role_tensors` and `write`.
 
-    The export calls, in order: `check()` (refuse, or note), then `write(job)`, where `job.tensors()` streams
-    `extra_tensors()` and then `role_tensors(...)` of every checkpoint tensor, in the order `job.plan` lists them.
+    The export calls, in order: `check()` (refuse with every reason `supports` gives, or note), then `write(job)`,
+    where `job.tensors()` streams `extra_tensors()` and then `role_tensors(...)` of every checkpoint tensor, in the
+    order `job.plan` lists them.
     """
 
     name = ""  # set by TARGETS.register
@@ -157,10 +191,18 @@ class ExportTarget:
         self.options = options if options is not None else self.Options()
         self.notes: list[str] = []  # what the user should know about the export (printed by the command)
 
+    @classmethod
+    def supports(cls, config) -> list[str]:
+        """Why this target cannot represent the model of `config` exactly (empty: it can)."""
+        return model_reasons(config)
+
     def check(self) -> None:
-        """Refuse (one ValueError) what this target cannot express exactly; add notes for what it exports as
-        inference computes it."""
-        self.notes += check_llama_moe(self.config)
+        """Refuse (one ValueError with every reason) what this target cannot express exactly; add notes for what it
+        exports as inference computes it."""
+        reasons = self.supports(self.config)
+        if reasons:
+            raise ValueError(f"Cannot export this model to {self.name} exactly: {'; '.join(reasons)}.")
+        self.notes += inference_notes(self.config)
 
     def extra_tensors(self) -> Iterator[tuple[str, object]]:
         """Tensors made from the config alone, written first."""
@@ -186,6 +228,12 @@ TRANSFORMERS_NAMES = {
     "k": "model.layers.{bid}.self_attn.k_proj.weight",
     "v": "model.layers.{bid}.self_attn.v_proj.weight",
     "o": "model.layers.{bid}.self_attn.o_proj.weight",
+    "q_bias": "model.layers.{bid}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{bid}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{bid}.self_attn.v_proj.bias",
+    "o_bias": "model.layers.{bid}.self_attn.o_proj.bias",
+    "q_norm": "model.layers.{bid}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{bid}.self_attn.k_norm.weight",
 }
 # Config fields a LLaMA config shares with Mixtral's and Qwen2-MoE's, with the same meaning.
 SHARED_CONFIG_FIELDS = (

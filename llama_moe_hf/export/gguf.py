@@ -23,8 +23,8 @@ WordLevel) is not written: the file then has no vocabulary (`tokenizer.ggml.mode
 import dataclasses
 
 from ..conversion.registry import option
-from .base import ExportTarget
-from .mixtral import check_mixtral_layout
+from .base import ExportTarget, attention_reasons, model_reasons
+from .mixtral import mixtral_layout_reasons
 from .registry import TARGETS
 
 GGUF_FILE = "model.gguf"
@@ -56,6 +56,10 @@ class GGUFOptions:
     )
 
 
+def rope_type(config) -> str:
+    return (config.rope_parameters or {}).get("rope_type", "default")
+
+
 def tensor_name(kind: str, layer: int | None = None) -> str:
     """The GGUF name of tensor `kind` (a `gguf.MODEL_TENSOR` member name) of decoder layer `layer`."""
     import gguf
@@ -78,16 +82,20 @@ class GGUF(ExportTarget):
     )
     Options = GGUFOptions
 
-    def check(self):
-        super().check()
-        check_mixtral_layout(self.config)
-        if self.config.hidden_act != "silu":
-            raise ValueError(f"Cannot export hidden_act {self.config.hidden_act!r} to GGUF: llama.cpp runs SiLU.")
-        if self.rope_type() not in ROPE_TYPES:
-            raise ValueError(f"Cannot export rope_type {self.rope_type()!r} to GGUF; supported: {ROPE_TYPES}.")
+    @classmethod
+    def supports(cls, config) -> list[str]:
+        reasons = model_reasons(config)
+        if reasons:
+            return reasons
+        reasons = mixtral_layout_reasons(config) + attention_reasons(config, "gguf", ("llama",))
+        if config.hidden_act != "silu":
+            reasons.append(f"hidden_act {config.hidden_act!r}: llama.cpp runs SiLU")
+        if rope_type(config) not in ROPE_TYPES:
+            reasons.append(f"rope_type {rope_type(config)!r}: GGUF export supports {', '.join(ROPE_TYPES)}")
+        return reasons
 
     def rope_type(self) -> str:
-        return (self.config.rope_parameters or {}).get("rope_type", "default")
+        return rope_type(self.config)
 
     def extra_tensors(self):
         if self.rope_type() == "llama3":

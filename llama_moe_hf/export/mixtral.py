@@ -2,12 +2,21 @@
 no shared experts.
 
 LlamaMoE maps onto it exactly when its router renormalises the top-k at inference (`top_k`, and `noisy_top_k` and
-`expert_choice`, which route that way outside training), every layer is MoE and there are no shared experts. The
-score scale factor (one per layer, possibly) is folded into each expert's down projection. Written in Mixtral's
+`expert_choice`, which route that way outside training), every layer is MoE, there are no shared experts, and the
+source's attention is LLaMA's or Mistral's (no biases; a sliding window in every layer or in none). The score scale
+factor (one per layer, possibly) is folded into each expert's down projection. Written in Mixtral's
 checkpoint layout (`block_sparse_moe.experts.{e}.w1/w2/w3`), which transformers, vLLM and llama.cpp's converter read.
 """
 
-from .base import TRANSFORMERS_NAMES, TransformersTarget, dense_layers
+from .base import (
+    TRANSFORMERS_NAMES,
+    TransformersTarget,
+    attention_reasons,
+    dense_layers,
+    model_reasons,
+    uniform_window,
+    window_reasons,
+)
 from .registry import TARGETS
 
 MIXTRAL_NAMES = {
@@ -19,23 +28,26 @@ MIXTRAL_NAMES = {
 }
 
 
-def check_mixtral_layout(config) -> None:
-    """Refuse what a Mixtral-style MoE (renormalised top-k, every layer MoE, no shared experts) cannot express."""
+def mixtral_layout_reasons(config) -> list[str]:
+    """Why a Mixtral-style MoE layer (renormalised top-k, every layer MoE, no shared experts, attention without
+    biases) cannot express the model."""
+    reasons = []
     if config.router_type == "switch":
-        raise ValueError(
-            "Cannot export router_type 'switch' to a Mixtral layout: switch keeps the top-k softmax probabilities as "
-            "they are, Mixtral renormalises them to sum to 1 (qwen2_moe has norm_topk_prob=False)."
+        reasons.append(
+            "router_type 'switch' keeps the top-k softmax probabilities as they are, Mixtral renormalises them to "
+            "sum to 1 (qwen2_moe has norm_topk_prob=False)"
         )
     if config.num_shared_experts:
-        raise ValueError(
-            f"Cannot export shared experts ({config.num_shared_experts}) to a Mixtral layout, which has none "
-            "(qwen2_moe has a shared expert)."
+        reasons.append(
+            f"shared experts ({config.num_shared_experts}): a Mixtral layout has none (qwen2_moe has a shared expert)"
         )
     if dense_layers(config):
-        raise ValueError(
-            f"Cannot export the dense layers {dense_layers(config)} to a Mixtral layout, where every layer is MoE "
-            "(qwen2_moe has mlp_only_layers)."
+        reasons.append(
+            f"the dense layers {dense_layers(config)}: every Mixtral layer is MoE (qwen2_moe has mlp_only_layers)"
         )
+    if config.attention_bias:
+        reasons.append("attention biases: Mixtral's attention has none")
+    return reasons
 
 
 @TARGETS.register("mixtral")
@@ -46,9 +58,13 @@ class Mixtral(TransformersTarget):
     )
     names = MIXTRAL_NAMES
 
-    def check(self):
-        super().check()
-        check_mixtral_layout(self.config)
+    @classmethod
+    def supports(cls, config) -> list[str]:
+        reasons = model_reasons(config)
+        if reasons:
+            return reasons
+        attention = attention_reasons(config, "mixtral", ("llama", "mistral")) + window_reasons(config, "mixtral")
+        return mixtral_layout_reasons(config) + attention
 
     def target_config(self):
         from transformers import MixtralConfig
@@ -59,7 +75,7 @@ class Mixtral(TransformersTarget):
             head_dim=config.head_dim,
             intermediate_size=config.moe_intermediate_size,  # Mixtral's experts are sized by intermediate_size
             num_local_experts=config.num_experts,
-            sliding_window=None,
+            sliding_window=uniform_window(config),
             router_jitter_noise=0.0,
             architectures=["MixtralForCausalLM"],
         )

@@ -87,9 +87,9 @@ def export_model(
     import torch
 
     from ..conversion.pipeline import _check_not_source, _check_output
-    from ..conversion.registry import option_names
     from ..conversion.sources.converted import open_checkpoint
     from ..conversion.writer import atomic_folder
+    from ..registry import option_names
     from .checkpoint import check_compensation
 
     target_class = TARGETS[to]

@@ -10,14 +10,15 @@ LlamaMoE maps onto it exactly:
   doubled (both exact in floating point). A model without shared experts gets a one-neuron shared expert of zeros.
 - dense layers (outside `moe_layers`) are `mlp_only_layers`, which Qwen2-MoE sizes by `intermediate_size`, the dense
   FFN's size in LlamaMoE too.
-- attention: q/k/v biases of zeros (Qwen2-MoE checkpoints carry them, and vLLM and older transformers expect them);
-  o_proj has no bias in either. Sliding-window attention is off.
+- attention: a Qwen2 source's q/k/v biases as they are; for LLaMA and Mistral sources (no biases) q/k/v biases of
+  zeros (Qwen2-MoE checkpoints carry them, and vLLM and older transformers expect them); o_proj has no bias in any.
+  Sliding windows per layer as the source has them (`layer_types`).
 - the score scale factor (one per layer, possibly) is folded into each routed expert's down projection.
 
 Qwen2-MoE derives the head size from hidden_size / num_attention_heads, so models with another head_dim are refused.
 """
 
-from .base import TRANSFORMERS_NAMES, TransformersTarget, dense_layers
+from .base import TRANSFORMERS_NAMES, TransformersTarget, attention_reasons, dense_layers, model_reasons
 from .registry import TARGETS
 
 QWEN2_MOE_NAMES = {
@@ -45,14 +46,25 @@ class Qwen2Moe(TransformersTarget):
     )
     names = QWEN2_MOE_NAMES
 
-    def check(self):
-        super().check()
-        config = self.config
+    @classmethod
+    def supports(cls, config) -> list[str]:
+        reasons = model_reasons(config)
+        if reasons:
+            return reasons
+        reasons = attention_reasons(config, "qwen2_moe", ("llama", "mistral", "qwen2"))
         if config.head_dim != config.hidden_size // config.num_attention_heads:
-            raise ValueError(
-                f"Cannot export head_dim={config.head_dim} to Qwen2-MoE, whose head size is hidden_size / "
-                f"num_attention_heads = {config.hidden_size // config.num_attention_heads}."
+            reasons.append(
+                f"head_dim={config.head_dim}: Qwen2-MoE's head size is hidden_size / num_attention_heads = "
+                f"{config.hidden_size // config.num_attention_heads}"
             )
+        if config.attention_bias and config.source_model_type != "qwen2":
+            reasons.append("an o_proj bias (attention_bias): Qwen2-MoE's o_proj has none")
+        return reasons
+
+    @property
+    def zero_biases(self) -> bool:
+        """Write q/k/v biases of zeros: the source has none (a Qwen2 source's are in the checkpoint)."""
+        return self.config.source_model_type != "qwen2"
 
     def shared_size(self) -> int:
         """Neurons of the shared expert: all shared experts fused, or one (of zeros) when there are none."""
@@ -62,7 +74,7 @@ class Qwen2Moe(TransformersTarget):
         if role == "shexp_down":
             tensor = tensor * 2  # the gate gives exactly 1/2
         yield from super().role_tensors(role, layer, tensor)
-        if role in ZERO_BIAS:
+        if role in ZERO_BIAS and self.zero_biases:
             yield f"model.layers.{layer}.self_attn.{ZERO_BIAS[role]}.bias", tensor.new_zeros(tensor.shape[0])
         if role == "router":
             hidden = tensor.shape[1]
@@ -85,7 +97,9 @@ class Qwen2Moe(TransformersTarget):
             norm_topk_prob=config.router_type != "switch",
             mlp_only_layers=dense_layers(config),
             decoder_sparse_step=1,
-            use_sliding_window=False,
+            use_sliding_window="sliding_attention" in config.layer_types,
+            sliding_window=config.sliding_window,
+            layer_types=config.layer_types,
             qkv_bias=True,
             architectures=["Qwen2MoeForCausalLM"],
         )

@@ -1,4 +1,4 @@
-"""The export targets, registered by name like the conversion's components (`conversion/registry.py`):
+"""The export targets, registered by name like the conversion's components (`llama_moe_hf.registry`):
 
     TARGETS   where `llama-moe export --to NAME` writes a converted model (one module each in `export/`)
 
@@ -7,6 +7,6 @@ A target is an `ExportTarget` subclass (`export/base.py`) registered with `@TARG
 heavy: the command line reads it before torch is imported.
 """
 
-from ..conversion.registry import Registry
+from ..registry import Registry
 
 TARGETS = Registry("export target", "export targets")

@@ -111,6 +111,11 @@ class AttnMoEConfig(LlamaMoEConfig):
 
     def validate_attention_moe(self):
         """One clear `ValueError` per impossible attention-MoE setting."""
+        if self.source_model_type != "llama" and self.attention_moe_layers:
+            raise ValueError(
+                f"Attention experts are LLaMA attention heads; a {self.source_model_type!r} model's attention differs "
+                "(biases, q/k norms, fused projections or windows) and cannot become AttnMoE experts."
+            )
         num_heads, num_kv_heads = self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads
         num_experts, top_k = self.num_attention_experts, self.num_attention_experts_per_tok
         if num_heads % num_kv_heads != 0:

@@ -7,7 +7,7 @@ packaging (a dependency of transformers).
 import transformers
 from huggingface_hub.dataclasses import strict
 from packaging.specifiers import SpecifierSet
-from transformers import LlamaConfig
+from transformers import CONFIG_MAPPING, LlamaConfig
 
 # This code's version (llama-moe-hf's) and the transformers releases it runs on. A saved folder's copy carries both:
 # `llama-moe info` tells a folder whose copy is older than the installed package's (`llama-moe upgrade` replaces it),
@@ -27,11 +27,56 @@ ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "
 
 
 @strict
-class LlamaMoEConfig(LlamaConfig):
+class LlamaLikeConfig(LlamaConfig):
     r"""
-    Configuration of a LLaMA model whose feed-forward blocks are (partly) Mixture-of-Experts blocks.
+    A LLaMA config whose attention, norms and rotary embedding are those of a Llama-like dense family. Every field of
+    [`LlamaConfig`] keeps its meaning; the fields of the dense source family are:
 
-    Every field of [`LlamaConfig`] keeps its meaning. The MoE fields are:
+        source_model_type (`str`, defaults to `"llama"`): the transformers model type of the dense family whose
+            attention, RMS norm and rotary embedding modules the model uses as they are (`"llama"`, `"mistral"`,
+            `"qwen2"`, `"qwen3"`, `"phi3"`): q/k/v biases, q/k norms, fused `qkv_proj`, partial RoPE and sliding
+            windows stay the source's. The family's other config fields (`original_max_position_embeddings`, ...)
+            are kept in this config, where its modules read them.
+        layer_types (`list[str]`, *optional*): `"full_attention"` or `"sliding_attention"` per decoder layer.
+            Defaults to sliding attention everywhere when `sliding_window` is set (Mistral, Phi-3), else full.
+        sliding_window (`int`, *optional*): the window of the sliding-attention layers.
+    """
+
+    source_model_type: str = "llama"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+        self.validate_source()
+        # The attention shards by the source family's own rules (its fused or biased projections, q/k norms).
+        attention = CONFIG_MAPPING[self.source_model_type].base_model_tp_plan or {}
+        attention = {k: v for k, v in attention.items() if ".self_attn." in k}
+        self.base_model_tp_plan = {**attention, **type(self).base_model_tp_plan}
+
+    def validate_architecture(self):
+        """Part of `@strict` validation."""
+        super().validate_architecture()
+        self.validate_source()
+
+    def validate_source(self):
+        if self.source_model_type not in CONFIG_MAPPING:
+            raise ValueError(
+                f"source_model_type {self.source_model_type!r} is not a model type of the installed transformers."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers.")
+
+
+@strict
+class LlamaMoEConfig(LlamaLikeConfig):
+    r"""
+    Configuration of a LLaMA-like model whose feed-forward blocks are (partly) Mixture-of-Experts blocks.
+
+    Every field of [`LlamaLikeConfig`] (LLaMA's and the source family's) keeps its meaning. The MoE fields are:
 
         num_experts (`int`, defaults to 8): routed experts per MoE layer.
         num_experts_per_tok (`int`, defaults to 2): experts each token is routed to (top-k).
@@ -91,10 +136,7 @@ class LlamaMoEConfig(LlamaConfig):
     # `moe_layers`. Routers and the compensation table stay replicated. Each config keeps the rules for the modules it
     # builds (`__post_init__`): transformers treats a rule that matches nothing as a mistake.
     base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
+        # attention: the source family's own rules (`__post_init__`)
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
@@ -146,7 +188,7 @@ class LlamaMoEConfig(LlamaConfig):
         super().__post_init__(**kwargs)
         # Checked here too (not only in the strict validator, which wraps errors) so users get a plain ValueError.
         self.validate_moe()
-        self.base_model_tp_plan = {k: v for k, v in type(self).base_model_tp_plan.items() if self._builds(k)}
+        self.base_model_tp_plan = {k: v for k, v in self.base_model_tp_plan.items() if self._builds(k)}
 
     def _builds(self, rule: str) -> bool:
         """Whether this config's model has the modules a parallel-plan rule names."""
@@ -210,4 +252,4 @@ class LlamaMoEConfig(LlamaConfig):
         return float(self.score_scale_factor)
 
 
-__all__ = ["LlamaMoEConfig"]
+__all__ = ["LlamaLikeConfig", "LlamaMoEConfig"]

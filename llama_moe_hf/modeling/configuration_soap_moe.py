@@ -5,20 +5,19 @@ huggingface_hub and `.configuration_llama_moe`.
 """
 
 from huggingface_hub.dataclasses import strict
-from transformers import LlamaConfig
 
-from .configuration_llama_moe import LlamaMoEConfig
+from .configuration_llama_moe import LlamaLikeConfig, LlamaMoEConfig
 
 ROUTING_MODES = ("segment", "prompt")
 
 
 @strict
-class SoapMoEConfig(LlamaConfig):
+class SoapMoEConfig(LlamaLikeConfig):
     r"""
-    Configuration of a LLaMA model whose feed-forward blocks are SOAP blocks: `num_experts` FFNs of the dense
+    Configuration of a LLaMA-like model whose feed-forward blocks are SOAP blocks: `num_experts` FFNs of the dense
     FFN's shape, merged in parameter space with routing weights once per segment of `segment_length` tokens, then
-    run as one ordinary FFN. Every field of [`LlamaConfig`] keeps its meaning; fields shared with `LlamaMoEConfig`
-    keep its names and meaning. The SOAP fields are:
+    run as one ordinary FFN. Every field of [`LlamaLikeConfig`] (LLaMA's and the source family's) keeps its
+    meaning; fields shared with `LlamaMoEConfig` keep its names and meaning. The SOAP fields are:
 
         num_experts (`int`, defaults to 8): experts per MoE layer.
         num_experts_per_tok (`int`, *optional*): top-k merging: merge only the k highest-weighted experts of each
@@ -51,8 +50,8 @@ class SoapMoEConfig(LlamaConfig):
 
     model_type = "soap_moe"
     # Experts are merged, not dispatched: no expert parallelism, and the merged FFN runs on the full expert tensors
-    # (so they stay replicated); attention shards as in LLaMA (LlamaMoE's rules for it).
-    base_model_tp_plan = {k: v for k, v in LlamaMoEConfig.base_model_tp_plan.items() if ".self_attn." in k}
+    # (so they stay replicated); attention shards by the source family's rules (`LlamaLikeConfig`).
+    base_model_tp_plan = {}
     base_model_pp_plan = LlamaMoEConfig.base_model_pp_plan
 
     num_experts: int = 8

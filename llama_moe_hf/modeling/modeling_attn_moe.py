@@ -283,7 +283,7 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "router_logits": OutputRecorder(LlamaMoERouter, index=0, layer_name="mlp.gate"),
         "attention_router_logits": OutputRecorder(LlamaMoERouter, index=0, layer_name="self_attn.gate"),
         "hidden_states": AttnMoEDecoderLayer,
-        "attentions": LlamaAttention,
+        "attentions": "self_attn",
     }
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

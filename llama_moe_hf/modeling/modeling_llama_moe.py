@@ -1,6 +1,7 @@
 """LlamaMoE: LLaMA with Mixture-of-Experts feed-forward blocks (LLaMA-MoE v1/v2, sparse upcycling, G-MoEfication).
 
-Attention, norms and rotary embeddings are transformers' own LLaMA modules; only the MoE parts are new:
+Attention, norms and rotary embeddings are transformers' own modules of the dense source family
+(`config.source_model_type`: LLaMA, Mistral, Qwen2, Qwen3, Phi-3), used as they are; only the MoE parts are new:
 
     routers   one class per gate type (`config.router_type`, `ROUTER_CLASSES`): hidden states [T, H] ->
               (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32; the expert-choice
@@ -24,6 +25,7 @@ This file is copied next to saved checkpoints (remote code): it imports only tra
 """
 
 import functools
+import importlib
 import math
 import os
 import warnings
@@ -37,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
     GenericForTokenClassification,
@@ -45,7 +47,8 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -150,6 +153,22 @@ def attach_router_loss(module: nn.Module, hidden_states: torch.Tensor, loss: tor
 # ---------------------------------------------------------------------------------------------------------------
 # Routers: one class per gate type
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def source_modules(model_type: str) -> tuple[type, type, type]:
+    """(attention, RMS norm, rotary embedding) classes of transformers' dense family `model_type`, by its naming
+    convention (`Qwen3Model` -> `Qwen3Attention`, `Qwen3RMSNorm`, `Qwen3RotaryEmbedding`): the MoE keeps its source's
+    attention exactly, and follows transformers' own changes to it."""
+    prefix = MODEL_MAPPING_NAMES.get(model_type, "").removesuffix("Model")
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        return tuple(getattr(module, prefix + part) for part in ("Attention", "RMSNorm", "RotaryEmbedding"))
+    except (ImportError, AttributeError):
+        raise ValueError(
+            f"source_model_type {model_type!r}: the installed transformers has no attention, RMS norm and rotary "
+            "embedding modules of that name."
+        ) from None
 
 
 class LlamaMoERouter(nn.Module):
@@ -519,11 +538,13 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
+        attention_class, norm_class, _ = source_modules(config.source_model_type)
         self.hidden_size = config.hidden_size
-        self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)
+        self.attention_type = config.layer_types[layer_idx]
+        self.self_attn = attention_class(config=config, layer_idx=layer_idx)
         self.mlp = self.moe_block_class(config, layer_idx) if layer_idx in config.moe_layers else LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
 
     @accepts_past_key_values
     def forward(
@@ -603,7 +624,7 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "router_logits": OutputRecorder(LlamaMoERouter, index=0),
         "hidden_states": LlamaMoEDecoderLayer,
-        "attentions": LlamaAttention,
+        "attentions": "self_attn",  # by module name: the attention class is the source family's
     }
 
     # Auto class -> head class of this family (in this file): registered with transformers' Auto classes, and
@@ -677,8 +698,9 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         self.layers = nn.ModuleList(
             [self.decoder_layer_class(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        _, norm_class, rotary_class = source_modules(config.source_model_type)
+        self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_class(config=config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -709,19 +731,13 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{CACHE_ARG: cache},
-        )
+        masks = self.attention_masks(inputs_embeds, attention_mask, position_ids, cache)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=masks[decoder_layer.attention_type],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 use_cache=use_cache,
@@ -730,6 +746,21 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return self.output_class(last_hidden_state=hidden_states, **{CACHE_ARG: cache})
+
+    def attention_masks(self, inputs_embeds, attention_mask, position_ids, cache) -> dict:
+        """The mask of each layer type of `config.layer_types` (sliding windows as the source family has them);
+        `generate` may have made them already."""
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        mask_kwargs = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            CACHE_ARG: cache,
+        }
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: make[kind](**mask_kwargs) for kind in set(self.config.layer_types)}
 
     def routing_context(self, attention_mask, cache, inputs_embeds, position_ids) -> object | None:
         """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here.

@@ -37,7 +37,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_soap_moe import SoapMoEConfig
@@ -482,7 +481,7 @@ class SoapMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "router_logits": OutputRecorder(SoapMoERouter, index=0),
         "routing_weights": OutputRecorder(SoapMoERouter, index=1),
         "hidden_states": SoapMoEDecoderLayer,
-        "attentions": LlamaAttention,
+        "attentions": "self_attn",
     }
     auto_heads = {
         "AutoModel": "SoapMoEModel",
@@ -523,7 +522,9 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
             packed = PackedSequences.find(position_ids.expand(inputs_embeds.shape[0], -1))
             if packed is not None:
                 return SoapRoutingContext(None, 0, packed=packed)
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        # `generate` with a static cache passes the masks it made (a 4D mask, or one per layer type): no padding info
+        two_d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        if two_d and not bool(attention_mask.all()):
             padding_mask = attention_mask[:, -length:]
             counts = torch.stack([padding_mask.sum(1), attention_mask[:, :-length].sum(1)]).long().tolist()  # one sync
             real = tuple(counts[0])
@@ -564,8 +565,8 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
     def merged_dense_model(self, routing_weights: tuple[torch.Tensor, ...]) -> LlamaForCausalLM:
         """A dense LLaMA whose FFN in each SOAP layer is that layer's experts merged with one row of routing weights
         (`routing_weights[i]` `[E]`, in `config.moe_layers` order): what prompt routing runs for one prompt."""
-        if self.config.num_shared_experts:
-            raise ValueError("A model with shared experts has no dense LLaMA equivalent.")
+        if self.config.num_shared_experts or self.config.source_model_type != "llama":
+            raise ValueError("Only a LLaMA-sourced model without shared experts has a dense LLaMA equivalent.")
         llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         config = LlamaConfig(**{k: v for k, v in self.config.to_dict().items() if k in llama_fields})
         with torch.device(self.device):

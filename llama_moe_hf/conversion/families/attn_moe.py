@@ -2,13 +2,13 @@
 
 import dataclasses
 
+from ...source_families import SOURCE_FAMILIES, dense_config_fields
 from ..choices import ATTENTION_GRANULARITIES
 from ..registry import FAMILIES, ROUTER_INITS, option
 from ..target import ATTENTION, MLP
 from .base import (
     MLP_FIELDS,
     ModelFamily,
-    dense_config_fields,
     layers_text,
     mlp_card_rows,
     mlp_config_fields,
@@ -70,6 +70,12 @@ class AttnMoEFamily(ModelFamily):
             raise ValueError(f"{flags} shape an MLP MoE; add --mlp-moe to convert the MLPs as well as the attention.")
 
     def resolve(self, recipe, dense_config):
+        if dense_config is not None and not SOURCE_FAMILIES[dense_config.model_type].llama_attention:
+            raise ValueError(
+                f"The attn_moe family turns LLaMA attention heads into experts; a {dense_config.model_type!r} "
+                "model's attention differs (biases, q/k norms, fused projections or windows). Use llama_moe or "
+                "soap_moe for it."
+            )
         options = dict(recipe.options)
         if options.get("attn_router_init") is None:  # the MLP's init if it can start attention routers
             inherit = recipe.router_init in ROUTER_INITS and ATTENTION in ROUTER_INITS[recipe.router_init].targets

@@ -16,20 +16,6 @@ MLP_FIELDS = {
     "score_scale_factor": "score_scale_factor",
     "layers": "moe_layers",
 }
-# Dense config fields that describe the source file rather than the model.
-_DROPPED_CONFIG_KEYS = (
-    "model_type",
-    "architectures",
-    "auto_map",
-    "transformers_version",
-    "dtype",
-    "quantization_config",
-)
-
-
-def dense_config_fields(config) -> dict:
-    """The model fields of a dense LLaMA-family config, to build an MoE config from: `LlamaMoEConfig(**fields, ...)`."""
-    return {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS and not k.startswith("_")}
 
 
 class ModelFamily:

@@ -1,7 +1,8 @@
 """LlamaMoE: LLaMA whose feed-forward blocks are Mixture-of-Experts blocks (`model_type: llama_moe`)."""
 
+from ...source_families import dense_config_fields
 from ..registry import FAMILIES
-from .base import ModelFamily, dense_config_fields, mlp_card_rows, mlp_config_fields, mlp_info_line
+from .base import ModelFamily, mlp_card_rows, mlp_config_fields, mlp_info_line
 
 
 @FAMILIES.register("llama_moe")

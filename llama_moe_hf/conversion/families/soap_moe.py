@@ -2,9 +2,10 @@
 
 import dataclasses
 
+from ...source_families import dense_config_fields
 from ..registry import FAMILIES, option
 from ..target import MLP
-from .base import ModelFamily, dense_config_fields, layers_text
+from .base import ModelFamily, layers_text
 
 ROUTING_MODES = ("segment", "prompt")  # as in configuration_soap_moe (not imported: it needs transformers)
 # Recipe fields of the LlamaMoE MLP that SOAP does not use, with what to set instead.

@@ -10,7 +10,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .base import DenseSource, check_llama_config
+from .base import DenseSource
 from .default import DEFAULT_MODEL_HUB_ID, default_model_path
 from .folder import HUB_ALLOW_PATTERNS, FolderSource
 from .gguf import GGUFSource, load_gguf_model
@@ -22,7 +22,6 @@ __all__ = [
     "FolderSource",
     "GGUFSource",
     "ModelSource",
-    "check_llama_config",
     "default_model_path",
     "hub_folder",
     "load_gguf_model",
@@ -43,7 +42,7 @@ def open_source(
     download: Downloader = snapshot_download,
     tokenizer: str | None = None,
 ) -> DenseSource:
-    """Open a dense LLaMA checkpoint for conversion.
+    """Open a dense checkpoint of a source family (`SOURCE_FAMILIES`) for conversion.
 
     `model` is a local transformers folder, a `.gguf` file, a Hub repository id (fetched with `download`, by default
     `huggingface_hub.snapshot_download`: config, safetensors and tokenizer files only), or None for the built-in

@@ -4,20 +4,12 @@ from pathlib import Path
 
 import torch
 
-
-def check_llama_config(config: dict, where: str) -> None:
-    """Refuse what the converter cannot turn into LlamaMoE: other architectures and biased MLPs."""
-    if config.get("model_type") != "llama":
-        raise ValueError(
-            f"{where} is a {config.get('model_type')!r} model; only dense LLaMA-architecture checkpoints "
-            "(config.model_type == 'llama', e.g. LLaMA 2/3, SmolLM2, TinyLlama) can be converted."
-        )
-    if config.get("mlp_bias"):
-        raise ValueError(f"{where} has mlp_bias=True; expert construction supports bias-free SwiGLU MLPs only.")
+from ...source_families import SOURCE_FAMILIES
 
 
 class DenseSource:
-    """A dense LLaMA checkpoint: its config, its tensor names, and lazy access to each tensor.
+    """A dense checkpoint of a source family (`source_families`): its config, its tensor names, and lazy access to
+    each tensor.
 
     path: the folder (or the .gguf file) it was read from. hub_id and license: model card metadata, when known.
     """
@@ -30,6 +22,8 @@ class DenseSource:
         self.hub_id = hub_id
         self.description = description or str(path)
         self.license = None
+        # The source family (None for a converted checkpoint read like a source: export, `llama-moe heal`)
+        self.family = SOURCE_FAMILIES[config.model_type]() if config.model_type in SOURCE_FAMILIES else None
         # What `--model` names to open this source again (saved with the recipe): the Hub id, else the full path.
         self.reference = hub_id or str(Path(path).resolve())
 
@@ -61,18 +55,24 @@ class DenseSource:
         # Old checkpoints store the rotary `inv_freq` buffer; transformers recomputes it.
         return [n for n in self.names() if n.startswith(prefix) and not n.endswith("rotary_emb.inv_freq")]
 
+    def layer_tensors(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """One decoder layer's tensors, keyed under the layer, with the MLP in LLaMA's layout (the source family's
+        `to_llama_layout`): what the construction methods read."""
+        prefix = f"model.layers.{layer_idx}."
+        tensors = {name[len(prefix) :]: self.tensor(name) for name in self.layer_names(layer_idx)}
+        return self.family.to_llama_layout(tensors)
+
     def check_complete(self) -> None:
-        """Every tensor a dense LlamaForCausalLM needs is present (one clear error instead of a failure mid-way)."""
+        """Every tensor the dense model needs is present (one clear error instead of a failure mid-way)."""
         required = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             required.append("lm_head.weight")
         for i in range(self.config.num_hidden_layers):
-            required += [f"model.layers.{i}.mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
-            required += [f"model.layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            required += self.family.required_tensors(self.config, i)
         names = set(self.names())
         missing = [name for name in required if name not in names]
         if missing:
             raise ValueError(
-                f"{self.description} is not a complete LlamaForCausalLM checkpoint: {len(missing)} tensors are "
-                f"missing, e.g. {missing[:3]}."
+                f"{self.description} is not a complete {self.family.model_class().__name__} checkpoint: "
+                f"{len(missing)} tensors are missing, e.g. {missing[:3]}."
             )

@@ -9,7 +9,8 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import SafetensorError, safe_open
 
-from .base import DenseSource, check_llama_config
+from ...source_families import source_family
+from .base import DenseSource
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +68,19 @@ class FolderSource(DenseSource):
 
     @staticmethod
     def read_config(path: Path):
-        """The folder's config, refused before any weight is read unless it is a dense LLaMA's (subclasses read
-        other kinds of checkpoint folders)."""
-        from transformers import LlamaConfig
-
+        """The folder's config, refused before any weight is read unless it is of a supported dense source family
+        (subclasses read other kinds of checkpoint folders). The family's own config class reads it: a config that
+        names remote code (`auto_map`) never runs it."""
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(
                 f"{path} has no config.json; pass a transformers model folder, a Hub id or a .gguf."
             )
         try:
-            check_llama_config(json.loads(config_file.read_text()), str(path))
+            family = source_family(json.loads(config_file.read_text()), str(path))
         except json.JSONDecodeError as error:
             raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-        return LlamaConfig.from_pretrained(path)
+        return family.config_class().from_pretrained(path)
 
     def _weight_files(self, allow_pickle: bool) -> dict[str, Path]:
         path = self.path
@@ -159,9 +159,8 @@ class FolderSource(DenseSource):
             GenerationConfig.from_model_config(self.config).save_pretrained(out_dir)
 
     def load_model(self, dtype: torch.dtype | None = None, device: str | None = None):
-        from transformers import LlamaForCausalLM
-
-        return LlamaForCausalLM.from_pretrained(self.path, dtype=dtype or self.dtype, device_map=device).eval()
+        model_class = self.family.model_class()
+        return model_class.from_pretrained(self.path, dtype=dtype or self.dtype, device_map=device).eval()
 
     def load_tokenizer(self):
         """--tokenizer's tokenizer, else the folder's own; one clear error for a folder without one (transformers

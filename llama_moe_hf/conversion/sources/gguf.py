@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import DenseSource, check_llama_config
+from ...source_families import source_family
+from .base import DenseSource
 
 
 def load_gguf_model(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
@@ -47,7 +48,8 @@ class GGUFSource(DenseSource):
             self._reader = GGUFReader(path)
         except Exception as error:
             raise ValueError(f"Cannot read {path} as a LLaMA GGUF file: {error}") from None
-        check_llama_config(config.to_dict(), path.name)
+        if source_family(config.to_dict(), path.name).name != "llama":  # transformers' GGUF name maps are LLaMA's here
+            raise ValueError(f"{path.name} holds a {config.model_type!r} model; GGUF sources convert from LLaMA only.")
         super().__init__(path, config, description=f"{path.name} (GGUF, dequantised)")
         self._dtype = dtype
         self._tensors, self._processor = self._name_map()

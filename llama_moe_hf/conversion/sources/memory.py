@@ -4,15 +4,16 @@ from pathlib import Path
 
 import torch
 
-from .base import DenseSource, check_llama_config
+from ...source_families import source_family
+from .base import DenseSource
 
 
 class ModelSource(DenseSource):
-    """A loaded dense LLaMA-family causal LM (and optionally its tokenizer, for calibration text)."""
+    """A loaded dense causal LM of a source family (and optionally its tokenizer, for calibration text)."""
 
     def __init__(self, model, tokenizer=None, path: Path = Path("."), description: str | None = None):
         description = description or f"in-memory {type(model).__name__}"
-        check_llama_config(model.config.to_dict(), description)
+        source_family(model.config.to_dict(), description)
         super().__init__(path, model.config, description=description)
         self._model = model
         self._tokenizer = tokenizer

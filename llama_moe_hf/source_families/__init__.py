@@ -1,0 +1,17 @@
+"""Dense source families: the transformers architectures a conversion reads, one module each.
+
+    llama.py  mistral.py  qwen2.py  qwen3.py  phi3.py
+
+Adding one is a module that registers a `SourceFamily` subclass under the family's `model_type` (and its tests:
+the upcycled model and the every-expert-on split equal the dense logits, tests/test_source_families.py). The CLI's
+help, the README table and the recipe schema list `SOURCE_FAMILIES`. Importing this package imports nothing heavy.
+"""
+
+import importlib
+
+from .base import SOURCE_FAMILIES, SourceFamily, dense_config_fields, source_family
+
+for _module in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["SOURCE_FAMILIES", "SourceFamily", "dense_config_fields", "source_family"]
