@@ -23,7 +23,7 @@ def short_documents(count: int, seed: int = 0) -> list[str]:
 
     import numpy as np
 
-    from llama_moe_hf.conversion.corpus import stdlib_docstrings
+    from llama_moe_hf.text.corpus import stdlib_docstrings
 
     sentences = [s.strip() for text in stdlib_docstrings() for s in re.split(r"(?<=[.!?])\s+", text) if len(s) > 20]
     rng = np.random.default_rng(seed)

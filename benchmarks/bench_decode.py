@@ -28,7 +28,7 @@ def measure(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llama_moe_hf import build_moe
-    from llama_moe_hf.conversion.sources import default_model_path
+    from llama_moe_hf.checkpoints import default_model_path
 
     torch.set_num_threads(args.threads)
     path = default_model_path()

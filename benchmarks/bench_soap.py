@@ -97,7 +97,7 @@ def bench_train(args) -> None:
 def bench_decode(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    from llama_moe_hf.conversion.sources import default_model_path
+    from llama_moe_hf.checkpoints import default_model_path
 
     dense = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     soap = build_moe(dense, family="soap_moe", num_experts=8, options={"routing_mode": "prompt"}).eval()

@@ -18,9 +18,10 @@ from quality import perplexity  # same folder: the one perplexity of the quality
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf.checkpoints import default_model_path
+from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe_hf.text.documents import load_texts
 from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.conversion.sources import default_model_path
 
 SPLITS = {
     "random": {"method": "random"},
@@ -61,7 +62,7 @@ def main():
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    texts, description = load_calibration_texts(None)
+    texts, description = load_texts(None)
     held_out = texts[int(0.9 * len(texts)) :]
     chunks = tokenize_calibration(held_out, tokenizer, args.chunks * 256, 256)
     print(f"held-out text: last 10% of {description}, {chunks.shape[0]} chunks of 256 tokens")

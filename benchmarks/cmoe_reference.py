@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heldout import heldout_tokens, perplexities, report  # noqa: E402
 
-from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration  # noqa: E402
+from llama_moe_hf.conversion.calibration import tokenize_calibration  # noqa: E402
+from llama_moe_hf.text.documents import load_texts
 from llama_moe_hf.conversion.carving import activation_markers, split_carve  # noqa: E402
 from llama_moe_hf.loading import load_model  # noqa: E402
 
@@ -185,7 +186,7 @@ def main() -> None:
     cmoe = load_cmoe(args.cmoe)
     dense, tokenizer, _ = load_model("default", dtype="float32", device="cpu")
     args.layers = args.layers or dense.config.num_hidden_layers
-    texts, _ = load_calibration_texts(None)  # the converter's calibration data and tokenization
+    texts, _ = load_texts(None)  # the converter's calibration data and tokenization
     input_ids = tokenize_calibration(texts, tokenizer, args.calibration_tokens, args.calibration_seq_len)
     tokens = heldout_tokens(tokenizer, args.max_tokens)
     print(f"torch {torch.__version__}, {args.threads} threads; calibration {list(input_ids.shape)}; K_a {args.k_act}")

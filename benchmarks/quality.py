@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion import gmoefication
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.corpus import stdlib_docstrings
+from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.conversion.sources import default_model_path
 
 NUM_EXPERTS = 8
 SEQ_LEN = 256

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion.attention_fit import expert_output_norms
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.sources import default_model_path
+from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from llama_moe_hf.modeling.modeling_llama_moe import CACHE_ARG
 

@@ -71,7 +71,7 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llama_moe_hf.conversion.sources import default_model_path
+    from llama_moe_hf.checkpoints import default_model_path
     from llama_moe_hf.training.sampling import domain_losses
 
     runs = dict(spec.partition("=")[::2] if "=" in spec else (Path(spec).name, spec) for spec in args.trained)

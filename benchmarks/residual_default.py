@@ -15,8 +15,8 @@ from heldout import heldout_tokens, perplexities  # same folder: the held-out te
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion.calibration import CalibrationContext
-from llama_moe_hf.conversion.sources import default_model_path
 
 ROWS = {
     "before: k-means router, score scale N/k = 7": dict(score_scale_factor=7.0),

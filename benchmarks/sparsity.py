@@ -23,8 +23,8 @@ from heldout import heldout_tokens, perplexities  # same folder: the held-out te
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import MoERecipe, build_moe
+from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion.calibration import CalibrationContext
-from llama_moe_hf.conversion.sources import default_model_path
 
 NUM_EXPERTS = 8
 SHARED = {"random": 0, "cluster": 0, "sharing-inner": 0, "sharing-inter": 1, "residual": 1, "carve": 1}

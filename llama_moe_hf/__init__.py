@@ -1,12 +1,13 @@
-"""llama-moe-hf: turn dense LLaMA-family checkpoints into Mixture-of-Experts models for transformers.
+"""llama-moe-hf: turn dense LLaMA-like checkpoints into Mixture-of-Experts models for transformers.
 
 `import llama_moe_hf` registers the model families with transformers' Auto classes, so it is all
-`AutoModelForCausalLM.from_pretrained` needs; the rest of the API below is imported on first use. In the `llama-moe`
-command (`llama_moe_cli`), registration waits for a command that loads a model: it imports torch, which takes
-seconds, and `--help` answers at once.
+`AutoModelForCausalLM.from_pretrained` needs; the rest of the API below is imported on first use. Registering imports
+torch (seconds), so it happens when transformers is imported (at once if it already is): the `llama-moe` command,
+which imports this package, answers `--help` without either.
 """
 
 import importlib
+import importlib.abc
 import sys
 
 __version__ = "0.2.0"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
@@ -38,7 +39,7 @@ _EXPORTS = {
     "convert": "llama_moe_hf.conversion.pipeline",
     "convert_to_moe": "llama_moe_hf.conversion.pipeline",
     "ConversionResult": "llama_moe_hf.conversion.pipeline",
-    "push_folder": "llama_moe_hf.conversion.hub",
+    "push_folder": "llama_moe_hf.hub.push",
     "batch_similar": "llama_moe_hf.similarity.pipeline",
     "BatchSimilarOptions": "llama_moe_hf.similarity.options",
 }
@@ -57,5 +58,29 @@ def __dir__() -> list[str]:
     return __all__
 
 
-if "llama_moe_cli" not in sys.modules:
+class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
+    """Registers the model families (imports `llama_moe_hf.modeling`) right after `transformers` is imported: the
+    other finders find it, and its loader runs as usual first."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "transformers":
+            return None
+        finders = [finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")]
+        spec = next((s for s in (f.find_spec(name, path, target) for f in finders) if s is not None), None)
+        if spec is not None and spec.loader is not None:
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                importlib.import_module("llama_moe_hf.modeling")
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "transformers" in sys.modules:
     importlib.import_module("llama_moe_hf.modeling")  # registers the families with the Auto classes
+elif not any(isinstance(finder, _RegisterWithTransformers) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWithTransformers())

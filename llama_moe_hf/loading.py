@@ -16,7 +16,7 @@ def model_folder(
 ) -> Path:
     """The local folder of `spec`: `default`, a folder with config.json, or a Hub id (fetched with `download`,
     default `huggingface_hub.snapshot_download`, which reads the local cache first)."""
-    from .conversion.sources import default_model_path, hub_folder
+    from .checkpoints import default_model_path, hub_folder
 
     if spec == DEFAULT_MODEL:
         return default_model_path()
@@ -48,8 +48,8 @@ def load_model(
     the checkpoint's dtype."""
     from transformers import AutoModelForCausalLM
 
-    from .conversion.sources.folder import TOKENIZER_FILES, read_tokenizer
-    from .conversion.writer import check_weights
+    from .checkpoints.folder import TOKENIZER_FILES, read_tokenizer
+    from .checkpoints.writer import check_weights
     from .modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
     if dtype not in DTYPES:

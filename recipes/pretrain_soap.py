@@ -38,14 +38,14 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from llama_moe_hf import SoapMoEForCausalLM, build_moe
-from llama_moe_hf.conversion.calibration import load_calibration_texts
-from llama_moe_hf.conversion.writer import atomic_file, atomic_folder
+from llama_moe_hf.checkpoints.writer import atomic_file, atomic_folder
 from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
 from llama_moe_hf.parsing import Parser
 from llama_moe_hf.preflight import check_training
 from llama_moe_hf.similarity.options import BatchSimilarOptions
-from llama_moe_hf.similarity.packing import pack, tokenize
 from llama_moe_hf.similarity.pipeline import SimilarityOrder, load_tokenizer
+from llama_moe_hf.text.documents import load_texts
+from llama_moe_hf.text.tokens import document_tokens, pack
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
 from llama_moe_hf.training.distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
 from llama_moe_hf.training.resume import (
@@ -90,7 +90,7 @@ class SoapPretrainArguments:
 
 def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]:
     """Packed training and validation sequences from disjoint documents (a seeded split)."""
-    texts, _ = load_calibration_texts(args.documents, text_column=args.text_field, what="Documents")
+    texts, _ = load_texts(args.documents, text_column=args.text_field, what="Documents")
     order = np.random.default_rng(0).permutation(len(texts))
     validation = [texts[i] for i in order[: args.validation_documents]]
     train = [texts[i] for i in order[args.validation_documents :]]
@@ -103,7 +103,7 @@ def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]
 
 
 def _sequences(texts, order, tokenizer, seq_len: int, limit: int | None = None) -> Dataset:
-    packed = pack(tokenize(texts, tokenizer), order, seq_len, tokenizer.eos_token_id)
+    packed = pack(list(document_tokens(texts, tokenizer)), order, seq_len)
     rows = [row["input_ids"] for row in packed.rows() if len(row["input_ids"]) == seq_len][:limit]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 

@@ -10,8 +10,8 @@ from helpers import logits, save_tiny_dense, save_tiny_moe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
-from llama_moe_hf.conversion.corpus import stdlib_docstrings
-from llama_moe_hf.conversion.sources import default_model_path
+from llama_moe_hf.checkpoints import default_model_path
+from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.training.offline_data import stdlib_functions
 
 
@@ -80,7 +80,7 @@ def no_model_loads(monkeypatch):
     """Loading a model (a dense source for conversion, or a model for analyze/eval) fails the test: what is refused
     must be refused before."""
     from llama_moe_hf import loading
-    from llama_moe_hf.conversion.sources.folder import FolderSource
+    from llama_moe_hf.checkpoints.folder import FolderSource
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded")

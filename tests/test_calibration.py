@@ -9,14 +9,15 @@ from transformers import AutoTokenizer
 
 from llama_moe_hf import MoERecipe
 from llama_moe_hf.conversion import calibration
-from llama_moe_hf.conversion.calibration import CalibrationContext, load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
 from llama_moe_hf.conversion.statistics import collect_calibration
+from llama_moe_hf.text.documents import load_texts
 
 DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
 
 
 def test_builtin_corpus_is_the_default():
-    texts, description = load_calibration_texts(None)
+    texts, description = load_texts(None)
     assert len(texts) > 500 and all(text.strip() for text in texts)
     assert description == f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
 
@@ -39,11 +40,11 @@ def _write(path, suffix):
 def test_local_files_and_folders(tmp_path, suffix):
     file = tmp_path / f"data{suffix}"
     _write(file, suffix)
-    texts, description = load_calibration_texts(str(file))
+    texts, description = load_texts(str(file))
     assert texts == (DOCS[:1] if suffix == ".txt" else DOCS)
     assert str(file) in description
     (tmp_path / "ignored.csv").write_text("a,b\n")
-    folder_texts, folder_description = load_calibration_texts(str(tmp_path))
+    folder_texts, folder_description = load_texts(str(tmp_path))
     assert folder_texts == texts and "1 files" in folder_description
 
 
@@ -60,12 +61,12 @@ def test_local_files_and_folders(tmp_path, suffix):
 def test_bad_local_files(tmp_path, name, content, message):
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=message):
-        load_calibration_texts(str(tmp_path / name))
+        load_texts(str(tmp_path / name))
 
 
 def test_empty_folder(tmp_path):
     with pytest.raises(ValueError, match="holds no"):
-        load_calibration_texts(str(tmp_path))
+        load_texts(str(tmp_path))
 
 
 def test_unknown_dataset_gives_a_clear_error(monkeypatch):
@@ -76,7 +77,7 @@ def test_unknown_dataset_gives_a_clear_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="not a local file or folder, and datasets.load_dataset"):
-        load_calibration_texts("no-such-org/no-such-dataset")
+        load_texts("no-such-org/no-such-dataset")
 
 
 def test_dataset_names_go_through_the_loader_seam():
@@ -86,7 +87,7 @@ def test_dataset_names_go_through_the_loader_seam():
         calls.append((path, config, split, streaming))
         return iter({"text": f"row {i} " * 10, "meta": i} for i in range(1000))
 
-    texts, description = load_calibration_texts("org/corpus:en", max_chars=200, dataset_loader=fake_hub)
+    texts, description = load_texts("org/corpus:en", max_chars=200, dataset_loader=fake_hub)
     assert calls == [("org/corpus", "en", "train", True)]
     assert 2 <= len(texts) <= 4 and texts[0].startswith("row 0")  # streaming stops after max_chars
     assert "'org/corpus:en'" in description

@@ -9,7 +9,7 @@ import yaml
 from helpers import FakeHfApi
 
 from llama_moe_hf.commands import main
-from llama_moe_hf.conversion import hub
+from llama_moe_hf.hub import push as hub
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +182,8 @@ def test_chat_with_converted_smollm2(tmp_path, smollm2_path):
         "--no-progress",
     ]
     assert main(argv) == 0
-    # As the `llama-moe` console script runs it (`llama_moe_cli`, which defers registering the families to the
-    # commands that load a model): the folder must load without its remote code.
+    # As the `llama-moe` console script runs it (`llama_moe_cli`; the package registers the families when transformers
+    # is imported): the folder must load without its remote code.
     chat = [sys.executable, "-m", "llama_moe_cli", "chat", str(out), "--prompt", "What is the capital of France?"]
     run = subprocess.run([*chat, "--max-new-tokens", "12"], check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -6,13 +6,14 @@ import torch.nn.functional as F
 from helpers import assert_partition, assert_same_logits, calibrated_split, load_moe, logits, tiny_llama
 
 from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
-from llama_moe_hf.conversion.calibration import load_calibration_texts, tokenize_calibration
+from llama_moe_hf.conversion.calibration import tokenize_calibration
 from llama_moe_hf.conversion.clustering import balanced_kmeans, kmeans_router, sample_rows, split_cluster
 from llama_moe_hf.conversion.experts import ExpertSplit
 from llama_moe_hf.conversion.importance import assign_by_importance, split_sharing_inner, split_sharing_inter
 from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
 from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
-from llama_moe_hf.evaluation.perplexity import sliding_window_perplexity
+from llama_moe_hf.perplexity import sliding_window_perplexity
+from llama_moe_hf.text.documents import load_texts
 
 
 def planted_rows(num_groups=4, per_group=8, dim=16, seed=0):
@@ -276,7 +277,7 @@ def test_calibrated_methods_refuse_what_they_cannot_build(tiny):
 def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
     """One short real run: 2 layers, 4 x 64 calibration tokens of real text."""
     model, tokenizer = smollm2
-    texts, _ = load_calibration_texts(None)
+    texts, _ = load_texts(None)
     input_ids = tokenize_calibration(texts, tokenizer, num_tokens=256, seq_len=64)
     splits, context = calibrated_split(
         model,
@@ -391,8 +392,8 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
     """MLP experts clustered on activations with a selector and compensation, plus attention routers fitted on
     calibration text: the dense model is loaded once and run once, then freed before the streaming write. (The check
     after the write, off here, loads it once more: tests/test_convert.py.)"""
+    from llama_moe_hf.checkpoints.folder import FolderSource
     from llama_moe_hf.conversion import calibration
-    from llama_moe_hf.conversion.sources.folder import FolderSource
 
     loads, passes = [], []
     load_model, collect = FolderSource.load_model, calibration.collect_calibration

@@ -19,11 +19,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from llama_moe_hf import METHODS, convert_to_moe
-from llama_moe_hf.conversion.card import PROJECT_URL, card_for_repo, quality_section
+from llama_moe_hf.checkpoints import load_gguf_model
+from llama_moe_hf.checkpoints.writer import read_shapes
+from llama_moe_hf.conversion.card import quality_section
 from llama_moe_hf.conversion.methods.base import SplitMethod
-from llama_moe_hf.conversion.sources import load_gguf_model
-from llama_moe_hf.conversion.writer import read_shapes
-from llama_moe_hf.evaluation.quick import QuickCheck
+from llama_moe_hf.conversion.quick_check import QuickCheck
+from llama_moe_hf.hub.card import PROJECT_URL, card_for_repo
 from llama_moe_hf.modeling.configuration_llama_moe import (
     LLAMA_MOE_VERSION,
     TRANSFORMERS_REQUIREMENT,

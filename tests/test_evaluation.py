@@ -11,7 +11,7 @@ from helpers import char_tokenizer, save_tiny_dense, save_tiny_moe, tiny_llama, 
 from llama_moe_hf.commands import main
 from llama_moe_hf.evaluation.evaluate import evaluate, measure
 from llama_moe_hf.evaluation.options import EvalOptions
-from llama_moe_hf.evaluation.perplexity import sliding_window_perplexity, windows
+from llama_moe_hf.perplexity import sliding_window_perplexity, windows
 
 TOKENS = torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(0))
 
@@ -108,6 +108,16 @@ def test_command_writes_results_into_the_model_folder(tmp_path, text_file, capsy
 
 
 def _umask() -> int:
-    from llama_moe_hf.conversion.writer import current_umask
+    from llama_moe_hf.checkpoints.writer import current_umask
 
     return current_umask()
+
+
+def test_local_lm_eval_tasks_carry_the_prefix_the_card_skips_them_by():
+    from llama_moe_hf.evaluation.harness import local_tasks
+    from llama_moe_hf.hub.card import LOCAL_TASK_PREFIX, eval_results
+
+    tasks = local_tasks()
+    assert tasks and all(name.startswith(LOCAL_TASK_PREFIX) for name in tasks)
+    results = {"lm_eval": {name: {"acc": 0.5} for name in [*tasks, "hellaswag"]}}
+    assert [entry.dataset_type for entry in eval_results(results)] == ["hellaswag"]

@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import save_tiny_moe
 
+from llama_moe_hf.chat import chat
 from llama_moe_hf.commands import main
 from llama_moe_hf.commands.info import info_lines
-from llama_moe_hf.conversion.chat import chat
 from llama_moe_hf.loading import load_model, model_folder
 
 

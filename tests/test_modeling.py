@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
-from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES
-from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe
+from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES, ROUTING_MODES
+from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe, configuration_soap_moe
 from llama_moe_hf.modeling.modeling_llama_moe import (
     CACHE_ARG,
     ROUTER_CLASSES,
@@ -69,6 +69,7 @@ def test_config_defaults_split_the_dense_ffn_evenly():
 def test_names_agree_between_the_config_the_model_and_the_command_line():
     assert tuple(ROUTER_CLASSES) == configuration_llama_moe.ROUTER_TYPES == ROUTER_TYPES
     assert configuration_attn_moe.ATTENTION_EXPERT_GRANULARITIES == ATTENTION_GRANULARITIES
+    assert configuration_soap_moe.ROUTING_MODES == ROUTING_MODES
 
 
 # ----------------------------------------------------------------------------------------------------------------

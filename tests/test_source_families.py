@@ -20,6 +20,7 @@ from helpers import (
 
 from llama_moe_hf import convert_to_moe
 from llama_moe_hf.commands import main
+from llama_moe_hf.commands.info import info_lines
 from llama_moe_hf.source_families import SOURCE_FAMILIES
 
 pytestmark = pytest.mark.smoke  # the output reuses the source families' transformers modules: every pinned release
@@ -47,6 +48,8 @@ def test_upcycled_model_equals_the_dense_model(source, tmp_path):
     family, folder, dense = source
     moe = convert(folder, tmp_path / "moe", method="upcycle", num_experts=4, top_k=2)
     assert moe.config.source_model_type == family
+    assert any(line.startswith(f"source family: {family} (") for line in info_lines(tmp_path / "moe"))
+    assert f"| Source family | `{family}`: " in (tmp_path / "moe" / "README.md").read_text()
     assert moe.config.layer_types == dense.model.config.layer_types if family.startswith("qwen") else True
     assert type(moe.model.layers[0].self_attn) is type(dense.model.layers[0].self_attn)
     assert_same_logits(moe, dense, token_batch(length=12), atol=1e-5)
@@ -131,5 +134,5 @@ def test_an_unsupported_architecture_is_one_line_naming_the_supported_ones(tmp_p
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert main(["convert", "--model", str(folder), "--output", str(tmp_path / "out"), "--no-progress"]) == 2
     line = one_error_line(capsys)
-    assert "'gpt2' model" in line and "llama, mistral, qwen2, qwen3, phi3" in line
+    assert "'gpt2' model" in line and ", ".join(SOURCE_FAMILIES) in line
     assert not (tmp_path / "out").exists()

@@ -73,6 +73,36 @@ def test_the_cycle_check_can_fail():
     assert cycle and {"llama_moe_hf.conversion.registry", "llama_moe_hf.conversion.methods.random"} <= set(cycle)
 
 
+# The package's floors, lowest first: a module imports (anywhere in the file) only from its own floor or below, so
+# that conversion never depends on what uses it. Peers on one floor may import each other.
+FLOORS = [
+    {"modeling", "registry", "perplexity"},
+    {"source_families", "text", "preflight", "parsing"},
+    {"checkpoints", "hub"},
+    {"conversion"},
+    {"evaluation", "training", "similarity", "analysis", "export", "loading", "chat"},
+    {"commands", "supported", "__main__", "llama_moe_hf"},
+]
+
+
+def floor_of(module: str) -> int:
+    part = module.split(".")[1] if "." in module else module
+    return next(i for i, floor in enumerate(FLOORS) if part in floor)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+
+
+def test_no_module_imports_from_a_higher_floor():
+    graph = import_graph(PACKAGE)
+    parts = {name.split(".")[1] if "." in name else name for name in graph}
+    assert parts <= set().union(*FLOORS), f"give these parts a floor: {parts - set().union(*FLOORS)}"
+    assert upward_imports(graph) == []
+    graph["llama_moe_hf.conversion.plan"].add("llama_moe_hf.evaluation.evaluate")  # the check can fail
+    assert upward_imports(graph) == ["llama_moe_hf.conversion.plan -> llama_moe_hf.evaluation.evaluate"]
+
+
 def test_the_command_line_answers_without_importing_torch_or_transformers():
     """`llama-moe --help` and argument errors: the command line's registries, recipe fields and parser are light."""
     for args, code in ((["--help"], 0), (["convert", "--help"], 0), (["convert", "--top-k", "x"], 2)):
@@ -88,14 +118,23 @@ def test_the_command_line_answers_without_importing_torch_or_transformers():
         assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers")}, args
 
 
-def test_importing_the_package_registers_the_families_with_the_auto_classes():
+@pytest.mark.parametrize(
+    "first",
+    ["import llama_moe_hf", "import transformers, llama_moe_hf", "import llama_moe_cli, llama_moe_hf.commands"],
+)
+def test_importing_the_package_registers_the_families_with_the_auto_classes(first):
+    """Before or after transformers, and after the command line's modules: the Auto classes know the families."""
     code = (
-        "import llama_moe_hf; from transformers import AutoConfig, AutoModelForTokenClassification as A; "
+        f"import sys; {first}; print('torch' in sys.modules); "
+        "from transformers import AutoConfig, AutoModelForTokenClassification as A; "
         "c = AutoConfig.for_model('attn_moe', vocab_size=16, hidden_size=8, intermediate_size=8, "
         "num_hidden_layers=1, num_attention_heads=2); print(type(A.from_config(c)).__name__)"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "AttnMoEForTokenClassification", run.stderr[-2000:]
+    assert run.returncode == 0, run.stderr[-2000:]
+    torch_first, model_class = run.stdout.split()
+    assert model_class == "AttnMoEForTokenClassification"
+    assert torch_first == str("transformers" in first)  # the package alone imports nothing heavy
 
 
 @pytest.mark.slow

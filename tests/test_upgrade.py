@@ -15,7 +15,7 @@ from helpers import FAMILY_FIELDS, FakeHfApi, run_generation_script, tiny_family
 import llama_moe_hf.conversion.upgrade as upgrade
 from llama_moe_hf import convert_to_moe
 from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.card import code_text
+from llama_moe_hf.hub.card import code_text
 from llama_moe_hf.modeling.configuration_llama_moe import LLAMA_MOE_VERSION
 
 REPO = Path(__file__).parents[1]

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from llama_moe_hf.conversion.writer import SAFE_INDEX, SAFE_WEIGHTS, ShardedWriter, read_shapes
+from llama_moe_hf.checkpoints.writer import SAFE_INDEX, SAFE_WEIGHTS, ShardedWriter, read_shapes
 
 
 def test_tensors_written_in_any_order_load_back_exactly(tmp_path):

@@ -15,7 +15,7 @@ from .options import AnalyzeOptions
 
 def analyze(model_spec: str, options: AnalyzeOptions, *, download=None) -> dict:
     """Load `model_spec` (folder, Hub id, or `default`), analyse it on `options.data`, write `options.output`."""
-    from ..conversion.writer import atomic_folder
+    from ..checkpoints.writer import atomic_folder
     from ..loading import load_model
 
     output = Path(options.output).expanduser()
@@ -65,7 +65,8 @@ def _run_domain(model, tokenizer, name: str, spec: str | None, options: AnalyzeO
     """Forward the domain's blocks in batches; returns the tokens read."""
     from tqdm.auto import tqdm
 
-    from ..conversion.calibration import iter_documents, token_blocks
+    from ..text.documents import iter_documents
+    from ..text.tokens import token_blocks
 
     documents = iter_documents(spec, text_column=options.text_column, what=f"Domain {name!r}")
     blocks = token_blocks(documents, tokenizer, options.seq_len, options.max_tokens)

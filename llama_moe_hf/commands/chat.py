@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..conversion.chat import chat
+    from ..chat import chat
 
     answer = chat(
         args.model,

@@ -18,10 +18,10 @@ def run(args) -> None:
 def info_lines(folder, download=None) -> list[str]:
     from transformers import AutoConfig
 
+    from ..checkpoints.writer import read_shapes
     from ..conversion.pipeline import count_parameters
     from ..conversion.registry import FAMILIES
     from ..conversion.upgrade import code_status
-    from ..conversion.writer import read_shapes
     from ..loading import model_folder
     from ..modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
@@ -35,6 +35,7 @@ def info_lines(folder, download=None) -> list[str]:
         f"{config.num_hidden_layers} layers"
     ]
     lines += family.info_lines(config)
+    lines.append(source_line(getattr(config, "source_model_type", "llama")))
     lines += component_lines(family(), (getattr(config, "conversion_info", None) or {}).get("recipe", {}))
     if getattr(config, "conversion_info", None):
         lines.append(f"conversion: {json.dumps(config.conversion_info, sort_keys=True)}")
@@ -42,6 +43,14 @@ def info_lines(folder, download=None) -> list[str]:
     lines.append(parameters_text(total, active))
     code = code_status(folder, name)  # an old copy of the code may not run on the installed transformers
     return lines + ([code] if code else [])
+
+
+def source_line(model_type: str) -> str:
+    """The dense source family whose attention, norms and RoPE the model keeps."""
+    from ..source_families import SOURCE_FAMILIES
+
+    described = SOURCE_FAMILIES[model_type].description if model_type in SOURCE_FAMILIES else "not a known family"
+    return f"source family: {model_type} ({described})"
 
 
 def component_lines(family, recipe: dict) -> list[str]:

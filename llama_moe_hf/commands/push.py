@@ -11,7 +11,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..conversion.hub import push_folder
+    from ..hub.push import push_folder
 
     result = push_folder(args.folder, args.repo_id, private=args.private, token=args.token, dry_run=args.dry_run)
     print(result.describe() if args.dry_run else f"pushed: {result}")

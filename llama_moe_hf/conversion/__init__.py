@@ -4,10 +4,14 @@
     registry.py     METHODS, ROUTER_INITS, FAMILIES: the extension points, by name
     methods/        one module per construction method      routers/    one per router initialisation
     families/       one module per model family              plan.py     the recipe checked, completed and planned
-    sources/        dense checkpoints, read a tensor at a time (folder, Hub, GGUF, default model, in memory)
-    calibration.py  the calibration text, and the one context that runs the dense model for every component
+    calibration.py  the one context that runs the dense model for every component (text from `text`)
     pipeline.py     convert(): streaming and atomic, to a folder   build.py   build_moe(): in memory
-    writer.py       sharded safetensors writer, atomic folder      card.py, hub.py   model card and upload
+    quick_check.py  perplexity of what was written next to the dense model's   card.py   the conversion's card
+    healing.py, heal.py   each MoE MLP trained to reproduce the dense one; `llama-moe heal`
+    upgrade.py      a saved folder's code, auto_map and card brought up to the installed package
+
+It reads dense checkpoints through `checkpoints` (folder, Hub, GGUF, default model, in memory) as their source
+family says (`source_families`), writes with `checkpoints.writer`, and cards with `hub`.
 
 The algorithms the components call live beside them: experts.py (splits and expert tensors), clustering.py,
 importance.py, gmoefication.py, attention_fit.py, statistics.py (calibration passes). This package imports nothing

@@ -29,9 +29,9 @@ def build_moe(
     import torch
     from transformers.initialization import no_init_weights
 
+    from ..checkpoints import ModelSource
     from .calibration import CalibrationContext
     from .plan import ConversionPlan
-    from .sources import ModelSource
 
     recipe, run_fields = (recipe or MoERecipe()).with_fields(fields)
     if run_fields:

@@ -1,9 +1,26 @@
-"""Names that both the command line (light, no torch) and the algorithms (torch) use: kept here for both to import."""
+"""Names that both the command line (light, no torch) and the algorithms (torch) use, kept here for both to import.
+
+The model code's own names (its gates, attention expert granularities, SoapMoE routing modes) are read from the
+modeling files' source, not copied: those files are remote code that imports transformers (and torch), which the
+command line must not import to answer `--help`.
+"""
+
+import ast
+from pathlib import Path
 
 CLUSTER_ON = ("gate", "up", "both", "activations")  # what --method cluster clusters
 SELECTOR_OBJECTIVES = ("listwise", "bce")  # the selector router's training loss
-# The gates of llama_moe_hf.modeling (`ROUTER_CLASSES`): the modeling files are remote code and cannot be imported
-# without torch, so the command line keeps the names here (tests/test_modeling.py checks that they agree), like the
-# attention expert granularities of configuration_attn_moe.
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "analytical")
-ATTENTION_GRANULARITIES = ("kv_group", "query_heads")
+
+
+def _model_constant(file: str, name: str) -> tuple[str, ...]:
+    """The literal tuple `name = (...)` of `llama_moe_hf/modeling/<file>`, read without importing it."""
+    tree = ast.parse((Path(__file__).parents[1] / "modeling" / file).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError(f"modeling/{file} defines no {name}")
+
+
+ROUTER_TYPES = _model_constant("configuration_llama_moe.py", "ROUTER_TYPES")
+ATTENTION_GRANULARITIES = _model_constant("configuration_attn_moe.py", "ATTENTION_EXPERT_GRANULARITIES")
+ROUTING_MODES = _model_constant("configuration_soap_moe.py", "ROUTING_MODES")

@@ -47,9 +47,9 @@ class HealOptions:
 
 def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
     """Heal the MoE folder `folder` into `options.output`; returns the output folder."""
+    from ..checkpoints.converted import open_checkpoint
     from .healing import state_dir_for
     from .pipeline import _check_not_source, _check_output
-    from .sources.converted import open_checkpoint
 
     output = _check_output(RunOptions(output=options.output, overwrite=options.overwrite))
     moe = open_checkpoint(folder)
@@ -81,7 +81,7 @@ def _folder_recipe(folder: Path):
 
 def _open_teacher(teacher: str | None, run: dict, download):
     """The dense teacher: `teacher`, else the model the folder was converted from (`model: null`: the built-in)."""
-    from .sources import open_source
+    from ..checkpoints import open_source
 
     model = teacher if teacher is not None else run.get("model")
     seams = {"download": download} if download else {}
@@ -101,7 +101,7 @@ def _check_teacher(config, teacher_config) -> None:
 def _write(moe, teacher, recipe, run: dict, options: HealOptions, output: Path, state_dir: Path) -> None:
     from transformers.dynamic_module_utils import custom_object_save
 
-    from .writer import ShardedWriter, atomic_folder, read_shapes
+    from ..checkpoints.writer import ShardedWriter, atomic_folder, read_shapes
 
     config = moe.config
     model = _meta_model(config)
@@ -129,10 +129,11 @@ def _meta_model(config):
 
 
 def _healer(moe, teacher, recipe, options: HealOptions, model, state_dir: Path):
-    from .calibration import load_calibration_texts, tokenize_calibration
+    from ..text.documents import load_texts
+    from .calibration import tokenize_calibration
     from .healing import LayerHealer
 
-    texts, _ = load_calibration_texts(recipe.calibration_data, max_chars=16 * recipe.heal_tokens)
+    texts, _ = load_texts(recipe.calibration_data, max_chars=16 * recipe.heal_tokens)
     tokens = tokenize_calibration(texts, moe.load_tokenizer(), recipe.heal_tokens, recipe.calibration_seq_len)
     identity = json.dumps([_weights_identity(moe.path), teacher.description])
     embeddings = moe.tensor("model.embed_tokens.weight")
@@ -164,7 +165,7 @@ def _healed_tensors(moe, teacher, healer, progress: bool):
 
 def _write_card(folder: Path, tmp: Path, healing: dict) -> None:
     """The folder's card with a Healing section (what was trained and how much it cut the MLPs' error)."""
-    from .card import replace_section
+    from ..hub.card import replace_section
 
     card = folder / "README.md"
     if not card.is_file():

@@ -31,7 +31,7 @@ class ConversionResult:
     files: list[str] = field(default_factory=list)
     recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
     pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
-    quality: object | None = None  # `evaluation.quick.QuickCheck`: perplexity next to the dense model's (`eval`)
+    quality: object | None = None  # `quick_check.QuickCheck`: perplexity next to the dense model's (`eval`)
 
 
 def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
@@ -55,9 +55,9 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     """
     import torch
 
+    from ..checkpoints import open_source
     from .calibration import CalibrationContext
     from .plan import ConversionPlan, resolve_recipe
-    from .sources import open_source
 
     output = _check_output(run)
     if run.save_split:
@@ -91,7 +91,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
         shutil.rmtree(plan.heal_state_dir, ignore_errors=True)
     if run.push_to_hub:
-        from .hub import push_folder
+        from ..hub.push import push_folder
 
         result.pushed = push_folder(output, run.repo_id, private=run.private, token=run.token, api=hub_api)
     return result
@@ -100,8 +100,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
 def _write(plan, source, context, output: Path) -> ConversionResult:
     from transformers.dynamic_module_utils import custom_object_save
 
+    from ..checkpoints.writer import ShardedWriter, atomic_folder
     from .card import write_model_card
-    from .writer import ShardedWriter, atomic_folder
 
     run = plan.run
     with atomic_folder(output) as tmp:
@@ -124,10 +124,10 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
 
 
 def _quality_check(folder: Path, source, run: RunOptions, total: int):
-    """`evaluation.quick.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
+    """`quick_check.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
     check, or the source has no tokenizer (each logged)."""
-    from ..evaluation.quick import MAX_PARAMETERS, quick_check
     from .calibration import transformers_progress_bars
+    from .quick_check import MAX_PARAMETERS, quick_check
 
     if not run.eval:
         return None

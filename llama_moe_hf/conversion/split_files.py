@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoints.writer import atomic_file
 from .experts import ExpertSplit
-from .writer import atomic_file
 
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"
 SPLIT_FIELDS = ("expert_neurons", "shared_neurons", "representatives")  # the ExpertSplit fields, all int64

@@ -178,7 +178,7 @@ def _config_json(config: dict, entries: dict[str, str]) -> bytes | None:
 def upgraded_card(folder: Path) -> str | None:
     """README.md with its Usage section (loading snippet, code version, transformers releases) as the installed
     package writes it, for the repository its snippet names; None when there is no card of ours (no snippet)."""
-    from .card import absolute_doc_links, has_tokenizer, replace_section, usage_section
+    from ..hub.card import absolute_doc_links, has_tokenizer, replace_section, usage_section
 
     path = folder / README
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -232,7 +232,7 @@ def upgrade_folder(
 def _push(plan: Upgrade, repo_id: str, token: str | None, api) -> str:
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .card import card_for_repo
+    from ..hub.card import card_for_repo
 
     version = installed_code()[0]
     operations = []
@@ -289,7 +289,7 @@ def _temporary_name(path: Path, kind: str) -> Path:
 
 def _stage(path: Path, data: bytes) -> Path:
     """`data` in a new file next to `path`, synced, with `path`'s permissions (or the umask's for a new file)."""
-    from .writer import current_umask
+    from ..checkpoints.writer import current_umask
 
     tmp = _temporary_name(path, "new")
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~current_umask()

@@ -9,7 +9,7 @@ from .options import RESULTS_FILE, EvalOptions
 
 def evaluate(model_spec: str, options: EvalOptions, *, download=None) -> tuple[dict, Path]:
     """Evaluate `model_spec` (folder, Hub id, or `default`); returns the results and the file they were written to."""
-    from ..conversion.writer import atomic_file
+    from ..checkpoints.writer import atomic_file
     from ..loading import load_model
     from ..preflight import check_writable, require
 
@@ -71,8 +71,9 @@ def measure(model, tokenizer, sources: dict[str, str | None], options: EvalOptio
 def _perplexity(model, tokenizer, name: str, spec, window: int, stride: int, options: EvalOptions) -> dict:
     from tqdm.auto import tqdm
 
-    from ..conversion.calibration import iter_documents, token_stream
-    from .perplexity import sliding_window_perplexity
+    from ..perplexity import sliding_window_perplexity
+    from ..text.documents import iter_documents
+    from ..text.tokens import token_stream
 
     documents = iter_documents(spec, text_column=options.text_column, what=f"Evaluation data {name!r}")
     tokens = token_stream(documents, tokenizer, options.max_tokens)

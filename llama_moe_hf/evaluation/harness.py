@@ -6,7 +6,7 @@ Task names are lm-eval's (e.g. `hellaswag`, which needs its dataset from the Hub
 
 from pathlib import Path
 
-TASK_FOLDER = Path(__file__).parent / "tasks"
+TASK_FOLDER = Path(__file__).parent / "tasks"  # each task named `hub.card.LOCAL_TASK_PREFIX`...: the card skips them
 
 
 def local_tasks() -> dict[str, dict]:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RESULTS_FILE = "eval_results.json"  # in a model folder, `llama-moe push` puts it into the card's metadata
+from ..hub.card import RESULTS_FILE  # in a model folder, `llama-moe push` puts it into the card's metadata
 
 
 @dataclass

@@ -275,7 +275,7 @@ class TransformersTarget(ExportTarget):
         return {field: getattr(self.config, field) for field in SHARED_CONFIG_FIELDS}
 
     def write(self, job) -> list[str]:
-        from ..conversion.writer import ShardedWriter
+        from ..checkpoints.writer import ShardedWriter
 
         writer = ShardedWriter(job.folder, job.plan, job.dtype)
         for name, tensor in job.tensors():

@@ -1,4 +1,4 @@
-"""What export checks of a converted checkpoint (read by `conversion.sources.converted.open_checkpoint`)."""
+"""What export checks of a converted checkpoint (read by `checkpoints.converted.open_checkpoint`)."""
 
 
 def check_compensation(checkpoint) -> list[str]:

@@ -62,7 +62,7 @@ def target_tensors(target, checkpoint, meta: bool = False) -> Iterator[tuple[str
     """The target's tensors, reading the checkpoint one tensor at a time (`meta`: shapes only, nothing read)."""
     import torch
 
-    from ..conversion.writer import read_shapes
+    from ..checkpoints.writer import read_shapes
 
     shapes = read_shapes(checkpoint.path) if meta else None
     yield from target.extra_tensors()
@@ -86,9 +86,9 @@ def export_model(
     """
     import torch
 
+    from ..checkpoints.converted import open_checkpoint
+    from ..checkpoints.writer import atomic_folder
     from ..conversion.pipeline import _check_not_source, _check_output
-    from ..conversion.sources.converted import open_checkpoint
-    from ..conversion.writer import atomic_folder
     from ..registry import option_names
     from .checkpoint import check_compensation
 

@@ -534,7 +534,7 @@ class LlamaMoESparseMoeBlock(nn.Module):
 
 
 class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
-    moe_block_class = LlamaMoESparseMoeBlock  # the MLP of `config.moe_layers` (SoapMoE swaps in its own)
+    moe_block_class = LlamaMoESparseMoeBlock  # the MLP of `config.moe_layers` (a family may swap in its own)
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int):
         super().__init__()
@@ -555,9 +555,17 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        routing_context: object | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        hidden_states = self.attention_residual(
+            hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, **kwargs
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def attention_residual(
+        self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, **kwargs
+    ) -> torch.Tensor:
+        """`h + self_attn(input_layernorm(h))`: the layer's first half (a family with its own MLP call reuses it)."""
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         # hidden_states positionally: a module called with keyword arguments only fires its full backward hooks
@@ -571,16 +579,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
             **{CACHE_ARG: cache},
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp_forward(hidden_states, routing_context)
         return residual + hidden_states
-
-    def mlp_forward(self, hidden_states: torch.Tensor, routing_context: object | None) -> torch.Tensor:
-        """The MLP; `routing_context` is what the backbone's `routing_context` made for this forward (SoapMoE)."""
-        return self.mlp(hidden_states)
 
 
 def _own_class(model) -> type:
@@ -723,9 +722,6 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        context = self.routing_context(attention_mask, cache, inputs_embeds, position_ids)
-        if context is not None:
-            kwargs["routing_context"] = context
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -761,11 +757,6 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         }
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: make[kind](**mask_kwargs) for kind in set(self.config.layer_types)}
-
-    def routing_context(self, attention_mask, cache, inputs_embeds, position_ids) -> object | None:
-        """What the MoE blocks need to know about the whole forward beyond their input (SoapMoE); None here.
-        `position_ids` as the caller gave them (None: consecutive)."""
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

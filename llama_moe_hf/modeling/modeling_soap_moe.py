@@ -35,8 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_soap_moe import SoapMoEConfig
@@ -48,6 +52,7 @@ from .modeling_llama_moe import (
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
     LlamaMoESharedExperts,
+    accepts_past_key_values,
 )
 
 
@@ -466,10 +471,25 @@ class SoapMoEDecoderLayer(LlamaMoEDecoderLayer):
 
     moe_block_class = SoapMoEBlock
 
-    def mlp_forward(self, hidden_states: torch.Tensor, routing_context: SoapRoutingContext | None) -> torch.Tensor:
-        if isinstance(self.mlp, SoapMoEBlock):
-            return self.mlp(hidden_states, routing_context)
-        return self.mlp(hidden_states)
+    @accepts_past_key_values
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        routing_context: SoapRoutingContext | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        """LlamaMoE's layer; a SOAP block also takes the forward's `routing_context` (`SoapMoEModel.forward`)."""
+        hidden_states = self.attention_residual(
+            hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, **kwargs
+        )
+        states = self.post_attention_layernorm(hidden_states)
+        mlp = self.mlp(states, routing_context) if isinstance(self.mlp, SoapMoEBlock) else self.mlp(states)
+        return hidden_states + mlp
 
 
 class SoapMoEPreTrainedModel(LlamaMoEPreTrainedModel):
@@ -513,7 +533,36 @@ class SoapMoEModel(SoapMoEPreTrainedModel, LlamaMoEModel):
     decoder_layer_class = SoapMoEDecoderLayer
     output_class = SoapMoEModelOutputWithPast
 
+    @merge_with_config_defaults
+    @accepts_past_key_values
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SoapMoEModelOutputWithPast:
+        """LlamaMoE's forward, with what the SOAP blocks need to know about the whole forward (segments, padding,
+        the routing state kept with the cache) handed to each layer as `routing_context`."""
+        if inputs_embeds is None and input_ids is not None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:  # made here: the routing state lives with it
+            cache = DynamicCache(config=self.config)
+        return super().forward(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cache=cache,
+            routing_context=self.routing_context(attention_mask, cache, inputs_embeds, position_ids),
+            **kwargs,
+        )
+
     def routing_context(self, attention_mask, cache, inputs_embeds, position_ids) -> SoapRoutingContext:
+        """`position_ids` as the caller gave them (None: consecutive)."""
         length = inputs_embeds.shape[1]
         past = 0 if cache is None else int(cache.get_seq_length())
         padding_mask, seen, real = None, past, None

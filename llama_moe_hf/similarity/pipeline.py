@@ -24,7 +24,7 @@ class BatchSimilarResult:
 def batch_similar(options: BatchSimilarOptions, texts: list[str] | None = None, tokenizer=None) -> BatchSimilarResult:
     """Embed the documents (`texts`, else read from `options.documents`), chain each to its nearest unvisited
     neighbour, pack the chain into `seq_len` token sequences and write them to `options.output`."""
-    from .packing import pack, tokenize
+    from ..text.tokens import document_tokens, pack
 
     output, fmt = _check(options)
     order_documents = SimilarityOrder(options)  # an unknown embedder or a missing --encoder: one error before any work
@@ -38,7 +38,7 @@ def batch_similar(options: BatchSimilarOptions, texts: list[str] | None = None, 
 
     lap("read")
     order = order_documents(texts, lap)
-    packed = pack(tokenize(texts, tokenizer, options.progress), order, options.seq_len, tokenizer.eos_token_id)
+    packed = pack(list(document_tokens(texts, tokenizer, options.progress)), order, options.seq_len)
     lap("tokenize+pack")
     _write(packed, output, fmt, options.overwrite)
     lap("write")
@@ -83,9 +83,9 @@ def _check(options: BatchSimilarOptions) -> tuple[Path, str]:
 
 
 def _documents(options: BatchSimilarOptions) -> list[str]:
-    from ..conversion.calibration import load_calibration_texts
+    from ..text.documents import load_texts
 
-    texts, description = load_calibration_texts(
+    texts, description = load_texts(
         options.documents, text_column=options.text_field, split=options.split, what="Documents"
     )
     logger.info("Documents: %s.", description)
@@ -96,10 +96,10 @@ def _documents(options: BatchSimilarOptions) -> list[str]:
 
 def load_tokenizer(name: str | None, trust_remote_code: bool = False):
     """The tokenizer of a folder or Hub id; None: the built-in default model's."""
-    from ..conversion.sources.folder import read_tokenizer
+    from ..checkpoints.folder import read_tokenizer
 
     if name is None:
-        from ..conversion.sources import default_model_path
+        from ..checkpoints import default_model_path
 
         return read_tokenizer(default_model_path())
     return read_tokenizer(name, trust_remote_code=trust_remote_code)
@@ -107,7 +107,7 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False):
 
 def _write(packed, output: Path, fmt: str, overwrite: bool) -> None:
     """Written next to `output` under a temporary name, renamed into place when complete."""
-    from ..conversion.writer import atomic_file, atomic_folder
+    from ..checkpoints.writer import atomic_file, atomic_folder
 
     if fmt == "datasets":
         from datasets import Dataset

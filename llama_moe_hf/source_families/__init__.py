@@ -8,10 +8,12 @@ help, the README table and the recipe schema list `SOURCE_FAMILIES`. Importing t
 """
 
 import importlib
+import pkgutil
 
 from .base import SOURCE_FAMILIES, SourceFamily, dense_config_fields, source_family
 
-for _module in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
-    importlib.import_module(f"{__name__}.{_module}")
+for _module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name != "llama"):  # LLaMA first, as listed
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["SOURCE_FAMILIES", "SourceFamily", "dense_config_fields", "source_family"]

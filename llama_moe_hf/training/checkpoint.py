@@ -44,8 +44,8 @@ def save_complete_checkpoint(
     name alike. The main process then builds the final folder in `atomic_folder`'s temporary sibling and swaps it in.
     The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step, as do
     the `extra` folders (name in the output: folder the main process wrote, e.g. a LoRA adapter)."""
+    from ..checkpoints.writer import atomic_folder, normal_permissions
     from ..conversion.recipe import RECIPE_FILE
-    from ..conversion.writer import atomic_folder, normal_permissions
 
     output = Path(output_dir).resolve()
     staging = output.with_name(f".{output.name}.staging")
@@ -87,7 +87,7 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
     """README.md: the training stages, their results, usage, and what the first stage started from."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..conversion.card import PROJECT_URL, TAGS, usage_section
+    from ..hub.card import PROJECT_URL, TAGS, usage_section
 
     source_card = Path(source) / "README.md"
     base = ModelCard.load(source_card) if source_card.is_file() else None

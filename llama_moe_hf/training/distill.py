@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..conversion.writer import check_weights
+from ..checkpoints.writer import check_weights
 from ..preflight import check_training
 from .lora import check_lora
 from .resume import check_resume
@@ -147,7 +147,7 @@ def load_teacher(spec: str, device=None):
     from ..loading import model_folder
 
     if str(spec).endswith(".gguf"):
-        from ..conversion.sources import load_gguf_model
+        from ..checkpoints import load_gguf_model
 
         model = load_gguf_model(spec)
     else:
@@ -157,7 +157,7 @@ def load_teacher(spec: str, device=None):
 
 def teacher_name(spec: str) -> str:
     """The teacher as the card and history name it: a Hub id, a folder's (or file's) name, never a local path."""
-    from ..conversion.sources import DEFAULT_MODEL_HUB_ID
+    from ..checkpoints import DEFAULT_MODEL_HUB_ID
     from ..loading import DEFAULT_MODEL
 
     if spec == DEFAULT_MODEL:

@@ -88,24 +88,17 @@ class DomainData:
     held_out: torch.Tensor  # [M, L] token blocks from documents not in `train`
 
 
-def pack_blocks(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """The texts tokenized, joined with EOS and cut into `[N, seq_len]` blocks (the remainder is dropped)."""
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    stream = [token for row in ids for token in (*row, tokenizer.eos_token_id)]
-    count = len(stream) // seq_len
-    return torch.tensor(stream[: count * seq_len], dtype=torch.long).view(count, seq_len)
-
-
 def load_domain(
     name: str, path: str, tokenizer, seq_len: int, held_out_fraction: float, held_out_path=None, text_column=None
 ) -> DomainData:
     """A domain's documents (any source `llama-moe convert --calibration-data` reads). The held-out blocks come from
     `held_out_path` when given, else from a seeded `held_out_fraction` of the documents (whole documents)."""
-    from ..conversion.calibration import load_calibration_texts
+    from ..text.documents import load_texts
+    from ..text.tokens import pack_blocks
 
-    texts, _ = load_calibration_texts(path, text_column=text_column, what=f"Domain {name!r}")
+    texts, _ = load_texts(path, text_column=text_column, what=f"Domain {name!r}")
     if held_out_path is not None:
-        held_texts, _ = load_calibration_texts(held_out_path, text_column=text_column, what=f"Held-out {name!r}")
+        held_texts, _ = load_texts(held_out_path, text_column=text_column, what=f"Held-out {name!r}")
     else:
         order = np.random.default_rng(0).permutation(len(texts))
         n_held = max(1, round(held_out_fraction * len(texts)))

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..conversion.corpus import SKIP_MODULES, stdlib_docstrings, stdlib_modules
+from ..text.corpus import SKIP_MODULES, stdlib_docstrings, stdlib_modules
 
 
 @dataclass
@@ -38,7 +38,7 @@ def build_offline_data(options: OfflineDataOptions) -> dict[str, dict[str, int]]
     """Write every domain's train/test files under `options.output`; returns the row counts."""
     import numpy as np
 
-    from ..conversion.writer import atomic_folder
+    from ..checkpoints.writer import atomic_folder
     from ..preflight import check_writable
 
     if Path(options.output).exists() and not options.overwrite:

@@ -129,7 +129,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
     The outcome's metrics are the held-out loss and perplexity per domain."""
     from transformers import AutoModelForCausalLM
 
-    from ..conversion.sources.folder import read_tokenizer
+    from ..checkpoints.folder import read_tokenizer
 
     _check(args, training)
     teacher = _teacher(args, training)

@@ -138,7 +138,7 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from ..conversion.sources.folder import read_tokenizer
+    from ..checkpoints.folder import read_tokenizer
     from .distributed import start_deepspeed_comm
 
     dataset, shares = _load_data(script_args, training, dataset_args)

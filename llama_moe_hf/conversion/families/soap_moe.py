@@ -3,11 +3,11 @@
 import dataclasses
 
 from ...source_families import dense_config_fields
+from ..choices import ROUTING_MODES
 from ..registry import FAMILIES, option
 from ..target import MLP
 from .base import ModelFamily, layers_text
 
-ROUTING_MODES = ("segment", "prompt")  # as in configuration_soap_moe (not imported: it needs transformers)
 # Recipe fields of the LlamaMoE MLP that SOAP does not use, with what to set instead.
 _NOT_FOR_SOAP = {
     "method": "--soap-method",

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from ...source_families import source_family
+from ..source_families import source_family
 from .base import DenseSource
 
 

@@ -9,7 +9,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import SafetensorError, safe_open
 
-from ...source_families import source_family
+from ..source_families import source_family
 from .base import DenseSource
 
 logger = logging.getLogger(__name__)

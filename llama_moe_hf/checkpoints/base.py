@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from ...source_families import SOURCE_FAMILIES
+from ..source_families import SOURCE_FAMILIES
 
 
 class DenseSource:

@@ -19,7 +19,7 @@ def chat(
     also printed to stdout as it is generated."""
     from transformers import TextStreamer
 
-    from ..loading import load_model
+    from .loading import load_model
 
     loaded, tokenizer, folder = load_model(model, dtype=dtype, device=device, download=download)
     if tokenizer.chat_template is None:

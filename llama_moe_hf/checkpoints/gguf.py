@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...source_families import source_family
+from ..source_families import source_family
 from .base import DenseSource
 
 

@@ -44,8 +44,8 @@ class QuickCheck:
 
 def held_out_tokens(tokenizer, count: int = QUICK_TOKENS) -> torch.Tensor:
     """The last documents of the built-in corpus: calibration reads it from the start, so these are not its data."""
-    from ..conversion.calibration import token_stream
-    from ..conversion.corpus import stdlib_docstrings
+    from ..text.corpus import stdlib_docstrings
+    from ..text.tokens import token_stream
 
     return token_stream(reversed(stdlib_docstrings()), tokenizer, count)
 
@@ -55,7 +55,7 @@ def quick_check(folder: Path, source, tokenizer, device: str | None = None) -> Q
     """Perplexity of the MoE model in `folder` and of the dense `source` (a conversion source) on the same tokens."""
     from transformers import AutoModelForCausalLM
 
-    from .perplexity import sliding_window_perplexity
+    from ..perplexity import sliding_window_perplexity
 
     tokens = held_out_tokens(tokenizer)
     loaders = (

@@ -14,7 +14,7 @@ class ConvertedCheckpoint(FolderSource):
     def read_config(path: Path):
         from transformers import AutoConfig
 
-        from ... import modeling  # noqa: F401  (registers the families: no remote code is run)
+        from .. import modeling  # noqa: F401  (registers the families: no remote code is run)
 
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model folder (no config.json).")
