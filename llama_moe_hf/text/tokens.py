@@ -18,19 +18,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-TOKENIZE_BATCH = 1024  # documents per tokenizer call: fast tokenizers work on a batch in parallel
+TOKENIZE_BATCH = 1024  # documents per tokenizer call at most: fast tokenizers work on a batch in parallel
 
 
 def document_tokens(documents: Iterable[str], tokenizer, progress: bool = False) -> Iterator[list[int]]:
-    """Each document's token ids followed by EOS (when the tokenizer has one), in order; only one batch of
-    documents is tokenized ahead of what is consumed."""
+    """Each document's token ids followed by EOS (when the tokenizer has one), in order. Batches grow from one
+    document to `TOKENIZE_BATCH`, so a reader that needs a few tokens of a large source tokenizes little ahead."""
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    documents = iter(documents)
+    documents, size = iter(documents), 1
     with tqdm(desc="Tokenizing", unit="doc", disable=not progress) as bar:
-        while batch := list(itertools.islice(documents, TOKENIZE_BATCH)):
+        while batch := list(itertools.islice(documents, size)):
             for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
                 yield ids + separator
             bar.update(len(batch))
+            size = min(2 * size, TOKENIZE_BATCH)
 
 
 def token_stream(documents: Iterable[str], tokenizer, max_tokens: int | None = None) -> torch.LongTensor:
