@@ -27,20 +27,22 @@ from llama_moe_hf.source_families import dense_config_fields, source_family
 TINY_VOCAB = 128
 
 
+# The shape of every tiny dense model: 8 query heads over 2 KV heads (GQA)
+TINY_FIELDS = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_llama_config(**overrides) -> LlamaConfig:
-    """A small dense LLaMA config with 8 query heads over 2 KV heads (GQA)."""
-    fields = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+    """A small dense LLaMA config (`TINY_FIELDS`)."""
+    return LlamaConfig(**(TINY_FIELDS | overrides))
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -57,19 +59,7 @@ def tiny_moe(seed: int = 0, **moe_fields) -> LlamaMoEForCausalLM:
 
 
 # Tiny dense models of every source family, each with its distinctive features on (tests/test_source_families.py)
-SOURCE_FIELDS = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=1,
-    pad_token_id=0,
-)
+SOURCE_FIELDS = TINY_FIELDS | dict(bos_token_id=1, eos_token_id=1, pad_token_id=0)  # ids within the vocabulary
 WINDOW = 5  # shorter than the test sequences: the sliding-window layers see less than the full ones
 FAMILY_CONFIGS = {
     "llama": (LlamaConfig, dict(attention_bias=True, rope_parameters={"rope_type": "linear", "factor": 2.0})),
