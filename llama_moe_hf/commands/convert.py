@@ -15,11 +15,12 @@ def flag_choices() -> dict[str, list[str]]:
     it, the router initialisations that can start its routers, and the gates."""
     choices = {"family": list(FAMILIES)}
     for family in (FAMILIES[name] for name in FAMILIES):
-        for kind, fields in family.target_fields.items():
-            choices[fields["method"]] = [name for name, method in METHODS.items() if method.target == kind]
-            choices[fields["router_init"]] = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
-            choices[fields["router_type"]] = list(ROUTER_TYPES)
-    choices.pop(None, None)  # a setting some family does not have
+        for kind, part in family.parts.items():
+            flags = part.fields()
+            choices[flags["method"]] = [name for name, method in METHODS.items() if method.target == kind]
+            choices[flags["router_init"]] = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
+            if "router_type" in flags:  # SoapMoE's experts have no gate type
+                choices[flags["router_type"]] = list(ROUTER_TYPES)
     return choices
 
 

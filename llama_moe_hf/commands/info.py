@@ -64,7 +64,7 @@ def component_lines(family, recipe: dict) -> list[str]:
         return []
     lines = []
     for kind in kinds:
-        fields = family.target_fields[kind]
+        fields = family.parts[kind].fields()
         for key, registry in ((fields["method"], METHODS), (fields["router_init"], ROUTER_INITS)):
             if recipe.get(key) in registry:
                 lines.append(f"{key.replace('_', ' ')}: {recipe[key]} ({registry[recipe[key]].description})")

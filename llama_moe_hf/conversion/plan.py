@@ -44,7 +44,7 @@ def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None 
     recipe = _resolve_options(recipe, family)
     if dense_config is not None:
         for kind in family.target_kinds(recipe):
-            parse_moe_layers(_get(recipe, family.target_fields[kind]["layers"]), dense_config.num_hidden_layers)
+            parse_moe_layers(family.parts[kind].settings(recipe).layers, dense_config.num_hidden_layers)
     return recipe
 
 
@@ -104,54 +104,39 @@ def _check_healing(recipe: MoERecipe) -> None:
         raise ValueError("--heal-lr must be > 0 and --heal-routing-weight >= 0.")
 
 
-def _get(recipe: MoERecipe, field: str | None):
-    if field is None:
-        return None
-    return getattr(recipe, field) if field in recipe.__dataclass_fields__ else recipe.options.get(field)
-
-
-def _set(recipe: MoERecipe, values: dict) -> MoERecipe:
-    """`values` set by name (a recipe field or an option); a None name is a setting the family does not have."""
-    fields = {k: v for k, v in values.items() if k in recipe.__dataclass_fields__}
-    options = {k: v for k, v in values.items() if k is not None and k not in fields}
-    return dataclasses.replace(recipe, **fields, options={**recipe.options, **options})
-
-
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:
     """The method, router init, gate and score scale of one target, checked and completed."""
-    fields = family.target_fields[kind]
-    method = METHODS[_get(recipe, fields["method"])]
+    part = family.parts[kind]
+    settings = part.settings(recipe)
+    method = METHODS[settings.method]
     if method.target != kind:
         raise ValueError(f"Method {method.name!r} builds {method.target} experts, not {kind} experts.")
-    router = ROUTER_INITS[_get(recipe, fields["router_init"]) or method.default_router_init]
+    router = ROUTER_INITS[settings.router_init or method.default_router_init]
     if kind not in router.targets:
         usable = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
         raise ValueError(f"Router init {router.name!r} cannot start {kind} routers; choose one of {', '.join(usable)}.")
-    router_type = _get(recipe, fields["router_type"]) or router.router_type or "top_k"
+    router_type = settings.router_type or router.router_type or "top_k"
     _check_router(router, router_type, method, kind)
-    shared = _get(recipe, fields["num_shared_experts"]) or 0
-    if shared and not method.allows_shared_experts:
+    if settings.num_shared_experts and not method.allows_shared_experts:
         raise ValueError(f"--num-shared-experts is not supported with method {method.name!r}.")
     if kind == MLP and recipe.compensation and not method.neuron_split:
         raise ValueError(f"--compensation needs a method that splits the FFN's neurons, not {method.name!r}.")
     if run is not None and (run.save_split or run.load_split) and kind == MLP and not method.uses_split_files:
         usable = [name for name, m in METHODS.items() if m.uses_split_files]
         raise ValueError(f"--save-split / --load-split work with the methods {', '.join(usable)}.")
-    experts, top_k = _get(recipe, fields["num_experts"]), _get(recipe, fields["top_k"])
-    scale = _get(recipe, fields["score_scale_factor"])
+    experts, top_k, scale = settings.num_experts, settings.top_k, settings.score_scale_factor
     if scale is None and experts is not None and top_k is not None:
         scale = 1.0 if router.unit_weights else float(method.default_score_scale(experts, top_k))
-    layers = _layer_list(_get(recipe, fields["layers"]))
+    layers = _layer_list(settings.layers)
     layer_terms(layers)
-    values = {
-        fields["method"]: method.name,
-        fields["router_init"]: router.name,
-        fields["router_type"]: router_type,
-        fields["layers"]: layers,
-    }
-    if fields["score_scale_factor"] is not None:
-        values[fields["score_scale_factor"]] = scale
-    return _set(recipe, values)
+    return part.with_settings(
+        recipe,
+        method=method.name,
+        router_init=router.name,
+        router_type=router_type,
+        layers=layers,
+        score_scale_factor=scale,
+    )
 
 
 def _check_router(router, router_type: str, method, kind: str) -> None:
@@ -178,8 +163,8 @@ def _chosen_components(recipe: MoERecipe, family) -> list:
     """The family and the methods and router inits of a resolved recipe."""
     chosen = [family]
     for kind in family.target_kinds(recipe):
-        fields = family.target_fields[kind]
-        chosen += [METHODS[_get(recipe, fields["method"])], ROUTER_INITS[_get(recipe, fields["router_init"])]]
+        settings = family.parts[kind].settings(recipe)
+        chosen += [METHODS[settings.method], ROUTER_INITS[settings.router_init]]
     return chosen
 
 
@@ -377,19 +362,15 @@ class ConversionPlan:
 
 
 def _target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
-    fields = family.target_fields[kind]
-
-    def get(key):
-        return _get(recipe, fields[key])
-
+    settings = family.parts[kind].settings(recipe)
     return Target(
         kind=kind,
-        method=get("method"),
-        router_init=get("router_init"),
-        router_type=get("router_type"),
-        num_experts=get("num_experts"),
-        top_k=get("top_k"),
-        num_shared_experts=get("num_shared_experts") or 0,
-        score_scale_factor=get("score_scale_factor"),
-        layers=tuple(parse_moe_layers(get("layers"), dense_config.num_hidden_layers)),
+        method=settings.method,
+        router_init=settings.router_init,
+        router_type=settings.router_type,
+        num_experts=settings.num_experts,
+        top_k=settings.top_k,
+        num_shared_experts=settings.num_shared_experts or 0,
+        score_scale_factor=settings.score_scale_factor,
+        layers=tuple(parse_moe_layers(settings.layers, dense_config.num_hidden_layers)),
     )

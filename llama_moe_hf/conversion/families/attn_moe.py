@@ -5,9 +5,9 @@ import dataclasses
 from ...source_families import SOURCE_FAMILIES, dense_config_fields
 from ..choices import ATTENTION_GRANULARITIES
 from ..registry import FAMILIES, ROUTER_INITS, option
-from ..target import ATTENTION, MLP
+from ..target import ATTENTION, MLP, Part
 from .base import (
-    MLP_FIELDS,
+    MLP_PART,
     ModelFamily,
     layers_text,
     mlp_card_rows,
@@ -18,42 +18,42 @@ from .base import (
 
 @dataclasses.dataclass(frozen=True)
 class AttnMoEOptions:
-    attn_experts: int | None = option(None, "attention experts per layer (default: one per KV head)")
-    attn_top_k: int | None = option(None, "attention experts per token (default: half of them)")
+    attn_experts: int | None = option(
+        None, "attention experts per layer (default: one per KV head)", role="num_experts"
+    )
+    attn_top_k: int | None = option(None, "attention experts per token (default: half of them)", role="top_k")
     attn_granularity: str | None = option(
         None,
         "an expert is whole KV groups or query heads of one group (default: kv_group if experts <= KV heads)",
         choices=ATTENTION_GRANULARITIES,
     )
-    attn_score_scale_factor: float | None = option(None, "attention expert output scale (default: the top-k)")
-    attn_router_type: str | None = option(None, "gate of the attention routers (default: top_k)")
+    attn_score_scale_factor: float | None = option(
+        None, "attention expert output scale (default: the top-k)", role="score_scale_factor"
+    )
+    attn_router_type: str | None = option(
+        None, "gate of the attention routers (default: top_k)", role="router_type"
+    )
     attn_router_init: str | None = option(
         None,
         "attention routers: zero, random, or fit on calibration text (default: --router-init if it applies, "
         "else random)",
+        role="router_init",
     )
-    attn_method: str = option("attention_heads", "how the attention heads become experts")
-    attn_layers: list[str] | None = option(None, "decoder layers with attention experts (default: all)")
+    attn_method: str = option("attention_heads", "how the attention heads become experts", role="method")
+    attn_layers: list[str] | None = option(
+        None, "decoder layers with attention experts (default: all)", role="layers"
+    )
     mlp_moe: bool = option(False, "also turn the MLPs into an MoE (the MLP options apply)")
 
 
-ATTENTION_FIELDS = {
-    "method": "attn_method",
-    "router_init": "attn_router_init",
-    "router_type": "attn_router_type",
-    "num_experts": "attn_experts",
-    "top_k": "attn_top_k",
-    "num_shared_experts": None,
-    "score_scale_factor": "attn_score_scale_factor",
-    "layers": "attn_layers",
-}
+ATTENTION_PART = Part(ATTENTION, (AttnMoEOptions,), without=("num_shared_experts",))
 
 
 @FAMILIES.register("attn_moe")
 class AttnMoEFamily(ModelFamily):
     description = "LLaMA with attention heads as experts (LLaMA-MoE v2), with a dense MLP or an MLP MoE"
     Options = AttnMoEOptions
-    target_fields = {ATTENTION: ATTENTION_FIELDS, MLP: MLP_FIELDS}
+    parts = {ATTENTION: ATTENTION_PART, MLP: MLP_PART}
 
     def target_kinds(self, recipe) -> list[str]:
         return [ATTENTION, MLP] if recipe.options.get("mlp_moe") else [ATTENTION]
@@ -62,7 +62,7 @@ class AttnMoEFamily(ModelFamily):
         if recipe.options.get("mlp_moe"):
             return
         defaults = type(recipe)()
-        changed = [field for field in MLP_FIELDS.values() if getattr(recipe, field) != getattr(defaults, field)] + [
+        changed = [f for f in MLP_PART.fields().values() if getattr(recipe, f) != getattr(defaults, f)] + [
             "compensation"
         ] * (recipe.compensation != defaults.compensation)
         if changed:

@@ -2,38 +2,29 @@
 
 import dataclasses
 
+from ..recipe_fields import RecipeFields
 from ..registry import NoOptions
-from ..target import MLP
+from ..target import MLP, Part
 
-# Where the settings of each kind of target live: a recipe field name, or a component option name.
-MLP_FIELDS = {
-    "method": "method",
-    "router_init": "router_init",
-    "router_type": "router_type",
-    "num_experts": "num_experts",
-    "top_k": "top_k",
-    "num_shared_experts": "num_shared_experts",
-    "score_scale_factor": "score_scale_factor",
-    "layers": "moe_layers",
-}
+MLP_PART = Part(MLP, (RecipeFields,))  # an MLP MoE's settings: the recipe's fields with a role
 
 
 class ModelFamily:
     """An output model family, registered under its config's `model_type` with `@FAMILIES.register(model_type)`.
 
-    It says which blocks of the decoder layers become experts (`target_fields`: where each target's settings live),
+    It says which blocks of the decoder layers become experts (`parts`: each block's typed settings in a recipe),
     builds the output config, and describes a checkpoint in the model card and `llama-moe info`.
     """
 
     name = ""  # set by FAMILIES.register: the config's model_type
     description = ""
     Options = NoOptions
-    target_fields = {MLP: MLP_FIELDS}
+    parts = {MLP: MLP_PART}
     heals = True  # its MoE MLP blocks route tokens top-k, as `healing` trains them
 
     def target_kinds(self, recipe) -> list[str]:
         """The blocks that become experts, in layer order of conversion."""
-        return list(self.target_fields)
+        return list(self.parts)
 
     def resolve(self, recipe, dense_config):
         """The family's own defaults filled in (`dense_config` may be None before the source is opened)."""

@@ -4,8 +4,9 @@ import dataclasses
 
 from ...source_families import dense_config_fields
 from ..choices import ROUTING_MODES
+from ..recipe_fields import RecipeFields
 from ..registry import FAMILIES, option
-from ..target import MLP
+from ..target import MLP, Part
 from .base import ModelFamily, layers_text
 
 # Recipe fields of the LlamaMoE MLP that SOAP does not use, with what to set instead.
@@ -24,20 +25,14 @@ class SoapMoEOptions:
     routing_mode: str = option(
         "segment", "generation: re-route every segment, or route once on the prompt", choices=ROUTING_MODES
     )
-    merge_top_k: int | None = option(None, "merge only the k highest-weighted experts per segment (default: all)")
-    soap_method: str = option("upcycle", "how the experts start", choices=("upcycle",))
+    merge_top_k: int | None = option(
+        None, "merge only the k highest-weighted experts per segment (default: all)", role="top_k"
+    )
+    soap_method: str = option("upcycle", "how the experts start", choices=("upcycle",), role="method")
 
 
-SOAP_FIELDS = {
-    "method": "soap_method",
-    "router_init": "router_init",
-    "router_type": None,
-    "num_experts": "num_experts",
-    "top_k": "merge_top_k",
-    "num_shared_experts": None,
-    "score_scale_factor": "score_scale_factor",
-    "layers": "moe_layers",
-}
+# The experts: the recipe's MLP settings with SOAP's method and merge top-k; no gate type, no shared experts
+SOAP_PART = Part(MLP, (RecipeFields, SoapMoEOptions), without=("router_type", "num_shared_experts"))
 
 
 @FAMILIES.register("soap_moe")
@@ -45,7 +40,7 @@ class SoapMoEFamily(ModelFamily):
     description = "LLaMA with SOAP layers: experts soft-merged per segment, each segment routed by the previous one"
     heals = False  # a SOAP block routes whole segments and merges its experts: not what healing trains
     Options = SoapMoEOptions
-    target_fields = {MLP: SOAP_FIELDS}
+    parts = {MLP: SOAP_PART}
 
     def check(self, recipe) -> None:
         defaults = type(recipe)()
