@@ -30,9 +30,7 @@ class AttnMoEOptions:
     attn_score_scale_factor: float | None = option(
         None, "attention expert output scale (default: the top-k)", role="score_scale_factor"
     )
-    attn_router_type: str | None = option(
-        None, "gate of the attention routers (default: top_k)", role="router_type"
-    )
+    attn_router_type: str | None = option(None, "gate of the attention routers (default: top_k)", role="router_type")
     attn_router_init: str | None = option(
         None,
         "attention routers: zero, random, or fit on calibration text (default: --router-init if it applies, "
@@ -40,9 +38,7 @@ class AttnMoEOptions:
         role="router_init",
     )
     attn_method: str = option("attention_heads", "how the attention heads become experts", role="method")
-    attn_layers: list[str] | None = option(
-        None, "decoder layers with attention experts (default: all)", role="layers"
-    )
+    attn_layers: list[str] | None = option(None, "decoder layers with attention experts (default: all)", role="layers")
     mlp_moe: bool = option(False, "also turn the MLPs into an MoE (the MLP options apply)")
 
 
