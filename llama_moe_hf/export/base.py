@@ -175,7 +175,7 @@ def per_expert(template: str, layer: int | None, tensor) -> Iterator[tuple[str, 
 
 class ExportTarget:
     """A format a converted model is exported to. Subclass, set `description`, register with
-    `@TARGETS.register(name)`, and implement `supports`, `role_tensors` and `write`.
+    `@TARGETS.register(name)`, and implement `target_reasons`, `role_tensors` and `write`.
 
     The export calls, in order: `check()` (refuse with every reason `supports` gives, or note), then `write(job)`,
     where `job.tensors()` streams `extra_tensors()` and then `role_tensors(...)` of every checkpoint tensor, in the
@@ -193,8 +193,14 @@ class ExportTarget:
 
     @classmethod
     def supports(cls, config) -> list[str]:
-        """Why this target cannot represent the model of `config` exactly (empty: it can)."""
-        return model_reasons(config)
+        """Why this target cannot represent the model of `config` exactly (empty: it can): what no target takes,
+        else every reason of its own (`target_reasons`)."""
+        return model_reasons(config) or cls.target_reasons(config)
+
+    @classmethod
+    def target_reasons(cls, config) -> list[str]:
+        """Why this target cannot represent a converted LlamaMoE model that the targets in general take."""
+        return []
 
     def check(self) -> None:
         """Refuse (one ValueError with every reason) what this target cannot express exactly; add notes for what it

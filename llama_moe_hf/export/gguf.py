@@ -22,8 +22,8 @@ WordLevel) is not written: the file then has no vocabulary (`tokenizer.ggml.mode
 
 import dataclasses
 
-from ..conversion.registry import option
-from .base import ExportTarget, attention_reasons, model_reasons
+from ..registry import option
+from .base import ExportTarget, attention_reasons
 from .mixtral import mixtral_layout_reasons
 from .registry import TARGETS
 
@@ -83,10 +83,7 @@ class GGUF(ExportTarget):
     Options = GGUFOptions
 
     @classmethod
-    def supports(cls, config) -> list[str]:
-        reasons = model_reasons(config)
-        if reasons:
-            return reasons
+    def target_reasons(cls, config) -> list[str]:
         reasons = mixtral_layout_reasons(config) + attention_reasons(config, "gguf", ("llama",))
         if config.hidden_act != "silu":
             reasons.append(f"hidden_act {config.hidden_act!r}: llama.cpp runs SiLU")

@@ -13,7 +13,6 @@ from .base import (
     TransformersTarget,
     attention_reasons,
     dense_layers,
-    model_reasons,
     uniform_window,
     window_reasons,
 )
@@ -59,10 +58,7 @@ class Mixtral(TransformersTarget):
     names = MIXTRAL_NAMES
 
     @classmethod
-    def supports(cls, config) -> list[str]:
-        reasons = model_reasons(config)
-        if reasons:
-            return reasons
+    def target_reasons(cls, config) -> list[str]:
         attention = attention_reasons(config, "mixtral", ("llama", "mistral")) + window_reasons(config, "mixtral")
         return mixtral_layout_reasons(config) + attention
 

@@ -18,7 +18,7 @@ LlamaMoE maps onto it exactly:
 Qwen2-MoE derives the head size from hidden_size / num_attention_heads, so models with another head_dim are refused.
 """
 
-from .base import TRANSFORMERS_NAMES, TransformersTarget, attention_reasons, dense_layers, model_reasons
+from .base import TRANSFORMERS_NAMES, TransformersTarget, attention_reasons, dense_layers
 from .registry import TARGETS
 
 QWEN2_MOE_NAMES = {
@@ -47,10 +47,7 @@ class Qwen2Moe(TransformersTarget):
     names = QWEN2_MOE_NAMES
 
     @classmethod
-    def supports(cls, config) -> list[str]:
-        reasons = model_reasons(config)
-        if reasons:
-            return reasons
+    def target_reasons(cls, config) -> list[str]:
         reasons = attention_reasons(config, "qwen2_moe", ("llama", "mistral", "qwen2"))
         if config.head_dim != config.hidden_size // config.num_attention_heads:
             reasons.append(

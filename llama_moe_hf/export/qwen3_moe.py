@@ -17,7 +17,6 @@ from .base import (
     TransformersTarget,
     attention_reasons,
     dense_layers,
-    model_reasons,
     uniform_window,
     window_reasons,
 )
@@ -44,10 +43,7 @@ class Qwen3Moe(TransformersTarget):
     names = QWEN3_MOE_NAMES
 
     @classmethod
-    def supports(cls, config) -> list[str]:
-        reasons = model_reasons(config)
-        if reasons:
-            return reasons
+    def target_reasons(cls, config) -> list[str]:
         reasons = attention_reasons(config, "qwen3_moe", ("qwen3",)) + window_reasons(config, "qwen3_moe")
         if config.num_shared_experts:
             reasons.append(f"shared experts ({config.num_shared_experts}): Qwen3-MoE has none")
