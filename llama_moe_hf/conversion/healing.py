@@ -112,12 +112,14 @@ class LayerHealer:
         return {**tensors, **healed}
 
     def info(self) -> dict:
-        """What healing did: its settings and the mean relative MLP error before and after it."""
+        """What healing did: its settings, the mean relative MLP error before and after it, and the layers that kept
+        their weights because training made them worse (their error is unchanged)."""
         info = {"healing": asdict(self.settings)}
         if self.errors:
             before, after = zip(*self.errors.values())
             info["healing"].update(error_before=round(sum(before) / len(before), 4))
             info["healing"].update(error_after=round(sum(after) / len(after), 4))
+            info["healing"].update(kept_layers=sorted(layer for layer, (b, a) in self.errors.items() if a == b))
         return info
 
     def _layer(self, layer_idx: int, tensors: dict):
