@@ -62,5 +62,9 @@ setup(
             "lm-eval>=0.4.9",
         ],
     },
-    entry_points={"console_scripts": ["llama-moe=llama_moe_cli:main"]},
+    entry_points={
+        "console_scripts": ["llama-moe=llama_moe_cli:main"],
+        # the model code's save calls these (modeling_llama_moe.SAVE_HOOKS): the card of a `trl sft` run
+        "llama_moe_hf.model_saved": ["training_card=llama_moe_hf.training.trl_card:on_model_saved"],
+    },
 )

@@ -300,6 +300,14 @@ def test_recipe_files_parse_and_stage_one_runs_under_trl_sft(tiny_moe_path, tmp_
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out/model.safetensors").stat().st_mode & 0o777 == 0o644
+    # ... and the saved model carries our card and history (the installed package's save hook), data named
+    history = json.loads((tmp_path / "out/training_history.json").read_text())
+    assert [(stage["recipe"], stage["data"], stage["steps"]) for stage in history] == [
+        ("trl sft", {"chat/train.jsonl": None}, 2)
+    ]
+    card = (tmp_path / "out/README.md").read_text()
+    assert "| 1 | trl sft | chat/train.jsonl | 2 |" in card and "## The model training started from" in card
+    assert str(tmp_path) not in card  # names, never local paths
 
 
 def test_offline_data_has_disjoint_held_out_splits_and_correct_worked_answers(tmp_path):

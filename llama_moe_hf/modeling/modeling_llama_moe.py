@@ -587,6 +587,21 @@ def _own_class(model) -> type:
     return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch."))
 
 
+SAVE_HOOKS = "llama_moe_hf.model_saved"  # entry-point group: called as hook(model, save_directory, is_main_process)
+
+
+def _run_save_hooks(model, save_directory, is_main_process: bool) -> None:
+    """Call what the installed llama-moe-hf registers for saved models (the training card of a `trl sft` run: TRL
+    runs this file as remote code and never imports the package). A failing hook costs the card, not the save."""
+    from importlib.metadata import entry_points
+
+    for hook in entry_points(group=SAVE_HOOKS):
+        try:
+            hook.load()(model, save_directory, is_main_process=is_main_process)
+        except Exception as error:  # noqa: BLE001 - the weights are saved; say why the extra files are not
+            warnings.warn(f"{hook.value} did not run after the save to {save_directory}: {error}", stacklevel=3)
+
+
 def _file_stamps(folder) -> dict[str, tuple[int, int]]:
     """(inode, mtime) of every regular file directly in `folder`, which may not exist yet."""
     if not os.path.isdir(folder):
@@ -652,6 +667,7 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
             _chmod_written_files(save_directory, before)
         finally:
             self.__class__ = wrapper
+        _run_save_hooks(self, save_directory, kwargs.get("is_main_process", True))
         return result
 
     @classmethod
