@@ -7,11 +7,18 @@ Prefill: one forward of 512 tokens with a cache, keeping the last token's logits
 `--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
 inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
 
+`--compile` runs both models the documented transformers way: `torch.compile(model.forward, fullgraph=True)` and
+`generate(..., cache_implementation="static")` (compiled once before the timed rounds). Each model's tokens/s is
+also given against its own memory-bandwidth limit: a copy bandwidth measured in the same process divided by the
+weight bytes one decoding step reads (every weight, except that only k of the N routed experts count and the
+embedding lookup reads one row; a tied LM head reads the whole matrix).
+
 Timings on a shared VM can be bimodal across processes (docs/benchmarks.md): `--processes N` repeats the whole
 measurement in N fresh processes and reports the median ratio and the spread.
 
     python benchmarks/bench_decode.py                          # 3 processes, 2 threads
     python benchmarks/bench_decode.py --processes 1 --profile
+    python benchmarks/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
     python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
 """
 
@@ -33,37 +40,91 @@ def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # split in float32, then cast
     if args.presets:
         models = {"dense": dense, **{name: preset_model(name, dense, tokenizer) for name in args.presets}}
     else:
-        models = {"dense": dense, "moe": build_moe(dense, num_experts=args.num_experts, top_k=args.top_k)}
+        models = {"dense": dense}
+        for k in args.top_k:
+            models[f"{k}/{args.num_experts}"] = build_moe(dense, num_experts=args.num_experts, top_k=k)
+    for name, model in models.items():
+        models[name] = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+        if name != "dense" and args.experts_implementation:
+            model.set_experts_implementation(args.experts_implementation)
+    step_bytes = {name: read_bytes_per_token(model) for name, model in models.items()}
+    generate_kwargs = {"cache_implementation": "static"} if args.compile else {}
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = prompt.to(args.device)
     long_input = torch.randint(0, dense.config.vocab_size, (1, args.prefill_tokens), generator=torch.Generator())
+    long_input = long_input.to(args.device)
+    synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    def greedy_tokens(model):  # the first call of a compiled model compiles it
+        new = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
+        return model.generate(**prompt, **new, do_sample=False, **generate_kwargs)
 
     def decode(model):
-        model.generate(**prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        greedy_tokens(model)
         return args.new_tokens
 
     def prefill(model):
         model(input_ids=long_input, logits_to_keep=1, use_cache=True)
         return args.prefill_tokens
 
-    results = {}
+    results = {"copy_gb_s": copy_bandwidth(args.device, synchronize), "step_bytes": step_bytes}
     with torch.inference_mode():
-        for name, task in (("decode", decode), ("prefill", prefill)):
+        for name, model in models.items() if args.compile else ():
+            eager_tokens = greedy_tokens(model)
+            model.forward = torch.compile(model.forward, fullgraph=True)
+            results.setdefault("compiled_equals_eager", {})[name] = torch.equal(greedy_tokens(model), eager_tokens)
+        tasks = (("decode", decode),) if args.compile else (("decode", decode), ("prefill", prefill))
+        for name, task in tasks:
             rates = {model: [] for model in models}
             for round_idx in range(args.warmup + args.rounds):
                 for model_name, model in models.items():
+                    synchronize()
                     start = time.perf_counter()
                     tokens = task(model)
+                    synchronize()
                     if round_idx >= args.warmup:
                         rates[model_name].append(tokens / (time.perf_counter() - start))
             results[name] = {model: statistics.median(values) for model, values in rates.items()}
         if args.profile:
             results["profile_ms"] = {name: step_profile(model, prompt["input_ids"]) for name, model in models.items()}
     return results
+
+
+def copy_bandwidth(device: str, synchronize, megabytes: int = 512, repeats: int = 5) -> float:
+    """GB/s moved (read + written): the median of `repeats` copies of a float32 buffer far larger than the caches."""
+    import torch
+
+    source = torch.randn(megabytes * 2**20 // 4, device=device)
+    target = torch.zeros_like(source)  # written once, so no copy pays for first-touch page faults
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(times) / 1e9
+
+
+def read_bytes_per_token(model) -> int:
+    """Weight bytes one decoding step reads: every parameter once (the tied LM head is the embedding), but of each
+    routed-experts tensor only the k of N experts a token selects, and one row of an untied input embedding."""
+    total = 0
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    for name, parameter in model.named_parameters():
+        size = parameter.numel() * parameter.element_size()
+        if parameter is embedding and not tied:
+            size = parameter.shape[-1] * parameter.element_size()
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            size = size * model.config.num_experts_per_tok // model.config.num_experts
+        total += size
+    return total
 
 
 def preset_model(name: str, dense, tokenizer):
@@ -124,13 +185,17 @@ def main():
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[2], help="one MoE split per value")
     parser.add_argument("--presets", nargs="+", help="time these presets' layouts against dense instead of a split")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="also time one decoding step by module kind")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the forward, static cache")
+    parser.add_argument("--device", default="cpu", help="e.g. cuda (benchmarks/gpu_check.py's machine)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--experts-implementation", help="the MoE models' experts kernel (default: the model's own)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,14 +206,20 @@ def main():
             for _ in range(args.processes)]  # fmt: skip
     import torch
 
-    compared = args.presets or ["moe"]
-    against = ", ".join(args.presets) if args.presets else f"{args.num_experts} experts top-{args.top_k}"
+    compared = args.presets or [f"{k}/{args.num_experts}" for k in args.top_k]
+    mode = "compiled forward, static cache" if args.compile else "eager"
+    experts = args.experts_implementation or "default experts"
     print(
-        f"torch {torch.__version__}, threads={args.threads}, float32, batch 1 | SmolLM2-135M-Instruct dense vs "
-        f"{against} | {args.processes} processes x {args.rounds} rounds"
+        f"torch {torch.__version__}, {args.device}, threads={args.threads}, {args.dtype}, batch 1, {mode}, {experts} "
+        f"| SmolLM2-135M-Instruct "
+        f"dense vs {', '.join(compared)} | {args.processes} processes x {args.rounds} rounds"
     )
+    print_bandwidth_table(runs, ["dense", *compared])
+    if args.compile:
+        equal = [run["compiled_equals_eager"] for run in runs]
+        print("compiled greedy tokens equal the eager model's (static cache), per process:", equal)
     for task, unit in (("decode", f"{args.new_tokens} new tokens"), ("prefill", f"{args.prefill_tokens} tokens")):
-        for name in compared:
+        for name in compared if task in runs[0] else []:  # compiled runs time decoding only
             ratios = [run[task][name] / run[task]["dense"] for run in runs]
             cells = ", ".join(f"{run[task]['dense']:.1f} / {run[task][name]:.1f}" for run in runs)
             print(f"{task} ({unit}), tokens/s dense / {name} per process: {cells}")
@@ -157,6 +228,20 @@ def main():
     for run in runs if args.profile else []:
         for model, profile in run["profile_ms"].items():
             print(f"  {model} step: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in profile.items()))
+
+
+def print_bandwidth_table(runs: list[dict], names: list[str]) -> None:
+    """Median decode tokens/s per model, its ratio to dense, and the share of its bandwidth limit it reaches."""
+    bandwidth = statistics.median(run["copy_gb_s"] for run in runs)
+    print(f"copy bandwidth {bandwidth:.1f} GB/s (median of the processes)")
+    print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense | share of limit |")
+    print("|---|---|---|---|---|---|")
+    dense = statistics.median(run["decode"]["dense"] for run in runs)
+    for name in names:
+        rate = statistics.median(run["decode"][name] for run in runs)
+        megabytes = runs[0]["step_bytes"][name] / 1e6
+        limit = bandwidth * 1e3 / megabytes
+        print(f"| {name} | {megabytes:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | {rate / limit:.0%} |")
 
 
 if __name__ == "__main__":

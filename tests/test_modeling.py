@@ -21,6 +21,7 @@ from llama_moe_hf.modeling.modeling_llama_moe import (
     CACHE_ARG,
     ROUTER_CLASSES,
     LlamaMoERouter,
+    indexed_reduction_experts_forward,
     router_z_loss_func,
 )
 from llama_moe_hf.source_families import dense_config_fields
@@ -258,16 +259,20 @@ def test_every_branch_of_the_cpu_dispatch_matches_grouped_mm(num_tokens, used_ex
     index = torch.stack([torch.randperm(used_experts, generator=generator)[:2] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, 2, generator=generator)
 
-    def run(implementation):
+    def run(implementation, function=None):
         model.set_experts_implementation(implementation)
         inputs = [states.clone().requires_grad_(), weights.clone().requires_grad_()]
         experts.zero_grad()
-        output = experts(inputs[0], index, inputs[1])
+        output = function(experts, inputs[0], index, inputs[1]) if function else experts(inputs[0], index, inputs[1])
         (output * torch.linspace(-1, 1, 64)).sum().backward()
         return [output, *(t.grad for t in inputs), experts.gate_up_proj.grad, experts.down_proj.grad]
 
-    for expected, actual in zip(run("grouped_mm"), run("llama_moe_cpu")):
-        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    expected = run("grouped_mm")
+    for actual, reference in zip(run("llama_moe_cpu"), expected):
+        torch.testing.assert_close(actual, reference, atol=1e-6, rtol=1e-5)
+    if index.numel() <= experts.num_experts:  # the compiled decoding path (llama_moe_auto), run eagerly here
+        for actual, reference in zip(run("eager", indexed_reduction_experts_forward), expected):
+            torch.testing.assert_close(actual, reference, atol=1e-6, rtol=1e-5)
 
 
 def test_default_path_is_deterministic_under_deterministic_algorithms():
@@ -312,7 +317,9 @@ def test_static_cache_generation_equals_the_dynamic_cache(compensation):
 @pytest.mark.smoke
 @torch.no_grad()
 def test_a_compiled_decoding_step_has_no_graph_break_and_matches_eager():
-    """`fullgraph=True` fails on any graph break: under compile the experts run transformers' grouped_mm."""
+    """`fullgraph=True` fails on any graph break. Under compile on CPU a decoding step (here 2 tokens x top-2 of 4
+    experts) runs the indexed reduction (`indexed_reduction_experts_forward`), longer inputs transformers'
+    grouped_mm."""
     assert LlamaMoEForCausalLM._can_compile_fullgraph
     model = tiny_moe(num_shared_experts=1, moe_compensation=True)
     input_ids, next_token = token_batch(batch_size=2, length=6), token_batch(batch_size=2, length=1, seed=1)
