@@ -250,8 +250,9 @@ def test_experts_implementations_match_the_eager_reference(implementation, num_s
 )
 def test_every_branch_of_the_cpu_dispatch_matches_grouped_mm(num_tokens, used_experts):
     """4 experts, top-2: up to 2 tokens take the matrix-vector (decoding) branch; while no expert gets more than
-    BMM_MAX_ROWS_PER_EXPERT = 128 rows, the padded batched matmul (also with experts that get no token); beyond, the
-    per-expert loop. Each must equal transformers' grouped_mm implementation, gradients included."""
+    BMM_MAX_ROWS_PER_EXPERT = 128 rows (4 x 128 padded rows stay within BMM_MAX_PADDED_ROWS), the padded batched
+    matmul (also with experts that get no token); beyond, the per-expert loop. Each must equal transformers'
+    grouped_mm implementation, gradients included."""
     model = tiny_moe()
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(num_tokens)
@@ -401,16 +402,17 @@ def test_router_logits_and_the_balance_loss_in_loss():
     torch.testing.assert_close(out.loss, plain.loss + 0.02 * out.aux_loss)
 
 
-def test_z_loss_reaches_the_gradients_without_being_part_of_the_loss():
-    """In training the z-loss is attached to the graph: the gradients equal those of lm + balance + z written out."""
+def test_z_loss_is_part_of_the_loss_in_training():
+    """In training the head adds the z-loss to `loss`: value and gradients equal lm + balance + z written out."""
     input_ids = token_batch()
     with_z = tiny_moe(router_aux_loss_coef=0.02, router_z_loss_coef=0.5).train()
     without_z = tiny_moe(router_aux_loss_coef=0.02, router_z_loss_coef=0.0).train()
     out = with_z(input_ids, labels=input_ids, output_router_logits=True)
     out.loss.backward()
     reference = without_z(input_ids, labels=input_ids, output_router_logits=True)
-    torch.testing.assert_close(out.loss, reference.loss)  # same value: the z-loss is not in `loss`
-    (reference.loss + 0.5 * router_z_loss_func(reference.router_logits)).backward()
+    total = reference.loss + 0.5 * router_z_loss_func(reference.router_logits)
+    torch.testing.assert_close(out.loss, total)
+    total.backward()
     for (name, param), other in zip(with_z.named_parameters(), without_z.parameters()):
         torch.testing.assert_close(param.grad, other.grad, atol=1e-6, rtol=1e-5, msg=name)
     assert with_z.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0

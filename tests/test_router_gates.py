@@ -60,32 +60,66 @@ def attn_moe(seed: int, **fields) -> AttnMoEForCausalLM:
     return AttnMoEForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize(
+ROUTER_BUILDS = pytest.mark.parametrize(
     "build, gate", [(tiny_moe, "mlp.gate"), (attn_moe, "self_attn.gate")], ids=["llama_moe", "attn_moe_attention"]
 )
-def test_mi_loss_gradient_is_attached_to_the_graph(build, gate):
-    """Training with `router_mi_loss_coef=c`: backward of the LM loss alone gives the gradients of
-    `lm_loss + c * mean over routers of the MI loss` written out, which differ from the LM loss's own at the routers;
-    `loss` itself does not change."""
+
+
+@ROUTER_BUILDS
+@pytest.mark.parametrize("head_computes_loss", [True, False], ids=["in_loss", "attached"])
+def test_mi_loss_reaches_the_gradients_whoever_computes_the_loss(build, gate, head_computes_loss):
+    """Training with `router_mi_loss_coef=c` gives the gradients of `lm_loss + c * mean over routers of the MI loss`
+    written out, which differ from the LM loss's own at the routers: with `labels` the term is in `loss`; without
+    (the loss computed from the logits elsewhere, as TRL's fused LM head does) it is attached to the graph."""
     coef, input_ids = 0.5, token_batch()
     with_mi = build(0, router_mi_loss_coef=coef).double().train()
     without_mi = build(0, router_mi_loss_coef=0.0).double().train()
-    out = with_mi(input_ids, labels=input_ids)
-    out.loss.backward()
+
+    def lm_loss(model):
+        if head_computes_loss:
+            return model(input_ids, labels=input_ids).loss
+        logits = model(input_ids).logits
+        return model.loss_function(logits=logits, labels=input_ids, vocab_size=model.config.vocab_size)
+
+    loss = lm_loss(with_mi)
+    loss.backward()
     logits = router_logits_of(without_mi)
-    reference = without_mi(input_ids, labels=input_ids)
-    torch.testing.assert_close(out.loss, reference.loss)
+    reference = lm_loss(without_mi)
     assert len(logits) == with_mi.config.num_router_layers == 2
     mi_term = coef * router_mi_loss_func(tuple(logits))
+    torch.testing.assert_close(loss, reference + mi_term if head_computes_loss else reference)
     gate_weight = without_mi.get_parameter(f"model.layers.0.{gate}.weight")
-    lm_only, mi_only = (
-        torch.autograd.grad(term, gate_weight, retain_graph=True)[0] for term in (reference.loss, mi_term)
-    )
-    (reference.loss + mi_term).backward()
+    lm_only, mi_only = (torch.autograd.grad(term, gate_weight, retain_graph=True)[0] for term in (reference, mi_term))
+    (reference + mi_term).backward()
     for (name, param), other in zip(with_mi.named_parameters(), without_mi.parameters()):
         torch.testing.assert_close(param.grad, other.grad, atol=1e-12, rtol=1e-9, msg=name)
     assert mi_only.abs().max() > 1e-6
     assert not torch.allclose(with_mi.get_parameter(f"model.layers.0.{gate}.weight").grad, lm_only)
+
+
+@ROUTER_BUILDS
+def test_router_losses_follow_gradient_accumulation_like_the_lm_loss(build, gate):
+    """The z-loss (a mean over tokens, so linear in equal micro-batches) over 2 accumulated micro-batches gives the
+    gradients of one batch of both, whichever way the training loop weights the loss: dividing it by the steps, or
+    passing `num_items_in_batch` (transformers' Trainer, which then does not divide). Attached to the graph it would
+    weigh 2x."""
+    model = build(0, router_z_loss_coef=0.1).double().train()
+    batch = token_batch(batch_size=4)
+    halves = batch[:2], batch[2:]
+    num_items = batch[:, 1:].numel()
+
+    def gradients(losses):
+        model.zero_grad()
+        sum(losses).backward()
+        return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    expected = gradients([model(batch, labels=batch).loss])
+    divided = gradients([model(half, labels=half).loss / 2 for half in halves])
+    counted = gradients([model(half, labels=half, num_items_in_batch=num_items).loss for half in halves])
+    for name, grad in expected.items():  # the routers compute in float32
+        torch.testing.assert_close(divided[name], grad, atol=1e-7, rtol=1e-5, msg=name)
+        torch.testing.assert_close(counted[name], grad, atol=1e-7, rtol=1e-5, msg=name)
+    assert expected[f"model.layers.0.{gate}.weight"].abs().max() > 0
 
 
 def test_mi_loss_trains_alike_under_sft_trainer_and_trainer(tmp_path):

@@ -16,14 +16,17 @@ Attention, norms and rotary embeddings are transformers' own modules of the dens
 
 Router losses. The Switch load-balancing loss over `router_logits` is the standard term: the causal-LM head adds
 `router_aux_loss_coef * aux_loss` to `loss`, and TRL's trainers compute the same term themselves. Every other router
-loss (the z-loss, the mutual-information loss, and the balance loss of routers outside `router_logits`) is attached
-to the autograd graph in training (`AddAuxiliaryLoss`), so it reaches the gradients whichever trainer or head computes
-the loss.
+loss (the z-loss, the mutual-information loss, and the balance loss of routers outside `router_logits`) goes into
+`loss` when our head computes it (`router_loss_sink`), weighted like the language-model loss so that it follows
+gradient accumulation; when another head computes the loss (TRL's fused LM head runs the backbone alone) it is
+attached to the autograd graph (`AddAuxiliaryLoss`), so it reaches the gradients whichever trainer computes the loss.
 
 This file is copied next to saved checkpoints (remote code): it imports only transformers, torch and
 `.configuration_llama_moe`.
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import math
@@ -85,10 +88,12 @@ def output_cache(outputs) -> Cache | None:
     return outputs.get(CACHE_ARG)
 
 
-# `llama_moe_cpu`: while no expert gets more than this many (token, expert) rows, one batched matmul over zero-padded
-# per-expert rows beats a loop of small per-expert matmuls (16 experts x 256 neurons, top-4, on CPU: inputs of up to
-# ~400 tokens; docs/benchmarks.md).
+# `llama_moe_cpu`: while no expert gets more than BMM_MAX_ROWS_PER_EXPERT (token, expert) rows and the padded layout
+# holds at most BMM_MAX_PADDED_ROWS, one batched matmul over zero-padded per-expert rows beats a loop of small
+# per-expert matmuls on CPU. Above ~1000 padded rows its speed depends on the process (16 experts x 256 neurons,
+# top-4, 256 tokens: 0.36 to 0.50 of the dense FFN, the loop 0.34 to 0.41; docs/benchmarks.md).
 BMM_MAX_ROWS_PER_EXPERT = 128
+BMM_MAX_PADDED_ROWS = 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,11 +148,43 @@ class AddAuxiliaryLoss(torch.autograd.Function):
         return grad_output, grad_loss
 
 
+# The router losses of the forward in progress, while a head that computes its own loss collects them. A context
+# variable, not a module attribute: each thread (nn.DataParallel replicas) has its own.
+_ROUTER_LOSS_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_loss_sink", default=None)
+
+
+@contextlib.contextmanager
+def router_loss_sink():
+    """Collect the router losses of the forward run inside (a list of scalars) instead of attaching them to the graph:
+    the head adds them to `loss`, where a training loop's weighting for gradient accumulation reaches them too."""
+    sink = []
+    token = _ROUTER_LOSS_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _ROUTER_LOSS_SINK.reset(token)
+
+
 def attach_router_loss(module: nn.Module, hidden_states: torch.Tensor, loss: torch.Tensor | float) -> torch.Tensor:
-    """`hidden_states`, with `loss` attached to the graph when `module` trains with gradients (else unchanged)."""
+    """`hidden_states`, with `loss` attached to the graph when `module` trains with gradients (else unchanged); while a
+    head collects the router losses (`router_loss_sink`), `loss` goes there instead."""
     if not (module.training and torch.is_grad_enabled() and torch.is_tensor(loss) and loss.requires_grad):
         return hidden_states
+    sink = None if is_torchdynamo_compiling() else _ROUTER_LOSS_SINK.get()  # context variables break the graph
+    if sink is not None:
+        sink.append(loss)
+        return hidden_states
     return AddAuxiliaryLoss.apply(hidden_states, loss.to(hidden_states.device))
+
+
+def router_loss_share(labels: torch.Tensor, num_items_in_batch=None, shift_labels=None, **_) -> torch.Tensor | float:
+    """The weight of a micro-batch's mean router loss in `loss`: its share of the counted label tokens when the
+    trainer normalises the language-model loss by `num_items_in_batch` (the tokens of every accumulated micro-batch
+    and process; transformers' Trainer then neither divides by the accumulation steps nor averages), else 1."""
+    if num_items_in_batch is None:
+        return 1.0
+    counted = shift_labels if shift_labels is not None else labels[..., 1:]
+    return counted.ne(-100).sum() / num_items_in_batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,8 +435,8 @@ def llama_moe_cpu_experts_forward(
     """`experts_implementation="llama_moe_cpu"`: the fastest of three dispatches for the number of rows.
 
     - decoding (`T * k <= E`): the selected experts run one by one on views of the fused weights; no sort or scatter;
-    - prompts (no expert gets more than `BMM_MAX_ROWS_PER_EXPERT` rows): one batched matmul per projection over
-      expert rows zero-padded to the largest count;
+    - short prompts (at most `BMM_MAX_ROWS_PER_EXPERT` rows per expert, `BMM_MAX_PADDED_ROWS` in all): one batched
+      matmul per projection over expert rows zero-padded to the largest count;
     - long inputs: each expert gathers only its own rows (a cache-sized working set) and adds its output back.
     Device-agnostic and autograd-friendly; tuned on CPU (docs/benchmarks.md). The scatter is `index_add_`, which
     `torch.use_deterministic_algorithms(True)` makes deterministic on CUDA as well.
@@ -426,7 +463,7 @@ def llama_moe_cpu_experts_forward(
     output = torch.zeros_like(hidden_states)  # [T, H]
 
     capacity = max(counts_list)
-    if capacity <= BMM_MAX_ROWS_PER_EXPERT:
+    if capacity <= BMM_MAX_ROWS_PER_EXPERT and capacity * self.num_experts <= BMM_MAX_PADDED_ROWS:
         # Expert e's rows fill rows [e * C, (e + 1) * C) of a padded layout, C = the largest count. Padding rows
         # repeat token 0 with weight 0: computed, but they add nothing.
         first_of_expert = counts.cumsum(0) - counts  # [E]
@@ -831,27 +868,33 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
     ) -> MoeCausalLMOutputWithPast:
         r"""
         `aux_loss` is the (unweighted) Switch load-balancing loss of `router_logits`, as in Mixtral; with `labels`,
-        `loss = lm_loss + router_aux_loss_coef * aux_loss`. The other router losses are attached to the graph in
-        training (see the module docstring), so they are not part of `loss`.
+        `loss = lm_loss + router_aux_loss_coef * aux_loss + the other router losses` (z-loss, MI loss, attention
+        balance loss; in training, weighted by `router_loss_share`). Without `labels` those are attached to the graph
+        in training (see the module docstring).
         """
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
-        outputs: MoeModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
+        collect = labels is not None and not is_torchdynamo_compiling()  # compiled, the losses stay attached
+        with router_loss_sink() if collect else contextlib.nullcontext([]) as router_loss_terms:
+            outputs: MoeModelOutputWithPast = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                output_router_logits=output_router_logits,
+                **kwargs,
+            )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
 
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if router_loss_terms:
+                share = router_loss_share(labels, **kwargs)
+                loss = loss + share * sum(term.to(loss.device) for term in router_loss_terms)
         aux_loss = self.router_aux_loss(outputs, attention_mask) if output_router_logits else None
         if aux_loss is not None and labels is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)

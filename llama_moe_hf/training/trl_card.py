@@ -29,7 +29,8 @@ def on_model_saved(model, save_directory, is_main_process: bool = True) -> None:
     trainer, script_args, dataset_args = _callers()
     if not is_main_process or trainer is None or isinstance(trainer, ResumableCheckpointsMixin):
         return  # not training, or one of our recipes, which writes the complete checkpoint itself
-    source = str(getattr(model.config, "_name_or_path", "") or "")
+    # where the model was loaded from; never "" (the current folder's README would pass for its card)
+    source = str(getattr(model.config, "_name_or_path", "") or "") or "a model built in memory"
     record = stage_record(
         trainer,
         "trl sft",
