@@ -225,6 +225,54 @@ def test_gguf_layout_metadata_and_values(converted, tmp_path):
     assert torch.equal(values["blk.1.ffn_up_exps.weight"], source["model.layers.1.mlp.experts.gate_up_proj"][:, 24:])
 
 
+def test_gguf_q8_0_quantizes_the_matrices_with_ggufs_quantizer(converted, tmp_path):
+    """`outtype q8_0`: matrices whose rows are a multiple of 32 in Q8_0 (within half a quantization step of the F32
+    export, plus the rounding of the F16 block scale), the others (the experts' down projection, rows of m = 24) in
+    F16; norms and routers stay F32."""
+    import gguf
+
+    exported = {
+        outtype: gguf.GGUFReader(
+            export_model(converted["random"], "gguf", tmp_path / outtype, outtype=outtype, progress=False).output_dir
+            / "model.gguf"
+        )
+        for outtype in ("auto", "q8_0")
+    }
+    assert gguf_fields(exported["q8_0"])["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    reference = {t.name: np.array(t.data) for t in exported["auto"].tensors}
+    types = gguf.GGMLQuantizationType
+    expected_types = {"attn_q": types.Q8_0, "ffn_up_exps": types.Q8_0, "ffn_down_exps": types.F16}
+    expected_types |= {"attn_norm": types.F32, "ffn_gate_inp": types.F32}
+    for tensor in exported["q8_0"].tensors:
+        kind = tensor.name.split(".")[-2]
+        if kind in expected_types:
+            assert tensor.tensor_type == expected_types[kind], tensor.name
+        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(reference[tensor.name].shape)
+        step = np.abs(reference[tensor.name]).max() / 127
+        assert np.abs(values - reference[tensor.name]).max() <= 0.6 * step + 1e-6, tensor.name
+
+
+def test_gguf_takes_the_dense_source_as_llama_cpp_writes_llama(tiny_dense, tmp_path):
+    """The dense model through the same writer (for like-for-like llama.cpp comparisons): no expert metadata, n_ff
+    the dense FFN's, its FFN as ffn_gate/up/down with the source's values; Mixtral still refuses it."""
+    import gguf
+    from safetensors.torch import load_file
+
+    dense = tiny_dense[0]
+    result = export_model(dense, "gguf", tmp_path / "gguf", progress=False)
+    reader = gguf.GGUFReader(result.output_dir / "model.gguf")
+    fields = gguf_fields(reader)
+    assert fields["llama.feed_forward_length"] == 96 and "llama.expert_count" not in fields
+    values = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    source = load_file(dense / "model.safetensors")
+    assert torch.equal(values["blk.1.ffn_gate.weight"], source["model.layers.1.mlp.gate_proj.weight"])
+    assert torch.equal(values["blk.0.ffn_down.weight"], source["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(values["blk.0.attn_k.weight"], rope_permute(source["model.layers.0.self_attn.k_proj.weight"], 2))
+    assert not any("exps" in name or "gate_inp" in name for name in values)
+    with pytest.raises(ValueError, match="not a converted LlamaMoE checkpoint"):
+        export_model(dense, "mixtral", tmp_path / "mixtral", progress=False)
+
+
 def save_tiny_dense_bpe(path, vocab_size: int = 264):
     """A tiny dense LLaMA with a byte-level BPE tokenizer (256 bytes, one merge, two special tokens) whose
     vocabulary is smaller than the model's, as llama.cpp's converter pads it."""

@@ -131,7 +131,8 @@ def model_reasons(config) -> list[str]:
 
 def inference_notes(config) -> list[str]:
     """What is exported as inference computes it (a router whose training-time routing differs)."""
-    return [INFERENCE_TOP_K[config.router_type]] if config.router_type in INFERENCE_TOP_K else []
+    router = getattr(config, "router_type", None)  # a dense source has none
+    return [INFERENCE_TOP_K[router]] if router in INFERENCE_TOP_K else []
 
 
 def attention_reasons(config, target: str, sources: tuple[str, ...]) -> list[str]:
@@ -185,6 +186,9 @@ class ExportTarget:
     name = ""  # set by TARGETS.register
     description = ""  # one sentence: `--help` and the docs show it
     Options = NoOptions
+    # Dense source families (model_type) the target also writes, so that a dense model and its MoE can be compared
+    # through the same writer; `dense_reasons` answers for them.
+    dense_sources: tuple[str, ...] = ()
 
     def __init__(self, config, options=None):
         self.config = config
@@ -194,8 +198,15 @@ class ExportTarget:
     @classmethod
     def supports(cls, config) -> list[str]:
         """Why this target cannot represent the model of `config` exactly (empty: it can): what no target takes,
-        else every reason of its own (`target_reasons`)."""
+        else every reason of its own (`target_reasons`); for a dense source it takes, `dense_reasons`."""
+        if config.model_type in cls.dense_sources:
+            return cls.dense_reasons(config)
         return model_reasons(config) or cls.target_reasons(config)
+
+    @classmethod
+    def dense_reasons(cls, config) -> list[str]:
+        """Why this target cannot represent a dense model of one of its `dense_sources`."""
+        return []
 
     @classmethod
     def target_reasons(cls, config) -> list[str]:

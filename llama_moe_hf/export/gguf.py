@@ -1,4 +1,5 @@
-"""llama.cpp's GGUF, in the layout llama.cpp's `convert_hf_to_gguf.py` writes Mixtral: architecture "llama" with
+"""llama.cpp's GGUF, in the layout llama.cpp's `convert_hf_to_gguf.py` writes Mixtral (and a dense LLaMA source as it
+writes LLaMA, so that a dense model and its MoE go through the same writer): architecture "llama" with
 `expert_count` / `expert_used_count`, the router as `blk.N.ffn_gate_inp.weight` and the experts stacked as
 `blk.N.ffn_{gate,up,down}_exps.weight` ([E, m, H], [E, m, H], [E, H, m]); q and k permuted for llama.cpp's rotary
 layout (`LlamaModel.permute`). One file, `model.gguf`, with the tokenizer in its metadata.
@@ -9,7 +10,8 @@ it never renormalises the top-k, has no dense layers, and computes its shared-ex
 0/0 for the zero gate weight that a constant gate of 1/2 needs (the qwen2_moe target's trick; llama.cpp then
 gives NaN logits, checked with llama-cpp-python 0.3.36).
 
-Weights are F32, F16 or BF16 (`dtype`); 1-D tensors, norms and routers are F32, as llama.cpp's converter writes them.
+Weights are F32, F16 or BF16 (`dtype`), or Q8_0 (`outtype q8_0`: gguf's own quantizer, as llama.cpp's converter's
+`--outtype q8_0`); 1-D tensors, norms and routers are F32, as llama.cpp's converter writes them.
 RoPE: default, linear, and llama3 (its frequency factors as `rope_freqs.weight`, from transformers' own llama3 rule).
 
 Tokenizer: SentencePiece (`tokenizer.model`, needs the `sentencepiece` package), Llama-style BPE and GPT-2 byte-level
@@ -40,6 +42,9 @@ GGUF_TENSORS = {
     "k": "ATTN_K",
     "v": "ATTN_V",
     "o": "ATTN_OUT",
+    "dense_gate": "FFN_GATE",
+    "dense_up": "FFN_UP",
+    "dense_down": "FFN_DOWN",
     "router": "FFN_GATE_INP",
     "gate_exps": "FFN_GATE_EXP",
     "up_exps": "FFN_UP_EXP",
@@ -47,13 +52,30 @@ GGUF_TENSORS = {
 }
 
 
+OUTTYPES = ("auto", "q8_0")
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFOptions:
+    outtype: str = option(
+        "auto",
+        "gguf: the weight matrices' type: auto (--dtype's: f32, f16 or bf16) or q8_0 (8-bit blocks of 32, gguf's "
+        "quantizer; a matrix whose rows are not a multiple of 32 is written F16)",
+        choices=OUTTYPES,
+    )
     tokenizer_pre: str = option(
         "default",
         "gguf: llama.cpp's name of a byte-level BPE tokenizer's pre-tokenizer (tokenizer.ggml.pre), e.g. smollm, "
         "llama-bpe, qwen2 (llama.cpp's converter finds it by a hash table the gguf package lacks)",
     )
+
+
+def graph_reasons(config) -> list[str]:
+    """What llama.cpp's "llama" graph computes otherwise, MoE or dense."""
+    reasons = [f"hidden_act {config.hidden_act!r}: llama.cpp runs SiLU"] if config.hidden_act != "silu" else []
+    if rope_type(config) not in ROPE_TYPES:
+        reasons.append(f"rope_type {rope_type(config)!r}: GGUF export supports {', '.join(ROPE_TYPES)}")
+    return reasons
 
 
 def rope_type(config) -> str:
@@ -81,15 +103,18 @@ class GGUF(ExportTarget):
         "mixtral target maps, with the tokenizer in the metadata."
     )
     Options = GGUFOptions
+    dense_sources = ("llama",)  # the dense model too, as llama.cpp's "llama" graph without experts
 
     @classmethod
     def target_reasons(cls, config) -> list[str]:
         reasons = mixtral_layout_reasons(config) + attention_reasons(config, "gguf", ("llama",))
-        if config.hidden_act != "silu":
-            reasons.append(f"hidden_act {config.hidden_act!r}: llama.cpp runs SiLU")
-        if rope_type(config) not in ROPE_TYPES:
-            reasons.append(f"rope_type {rope_type(config)!r}: GGUF export supports {', '.join(ROPE_TYPES)}")
-        return reasons
+        return reasons + graph_reasons(config)
+
+    @classmethod
+    def dense_reasons(cls, config) -> list[str]:
+        biases = ["attention biases: llama.cpp's llama graph has none"] if config.attention_bias else []
+        biases += ["mlp_bias: llama.cpp's llama graph has none"] if config.mlp_bias else []
+        return biases + graph_reasons(config)
 
     def rope_type(self) -> str:
         return rope_type(self.config)

@@ -19,6 +19,7 @@ FILE_TYPES = {
     torch.float16: (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     torch.bfloat16: (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
 }
+Q8_0 = (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)
 ROUTER = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]  # "ffn_gate_inp"
 PADDING_SCORE = -10000.0  # llama.cpp's converter's score of the tokens it adds up to the model's vocab_size
 
@@ -26,7 +27,7 @@ PADDING_SCORE = -10000.0  # llama.cpp's converter's score of the tokens it adds 
 def write_gguf(job, path: Path) -> None:
     """Write `job`'s planned tensors, streamed, with the model and tokenizer metadata into `path`."""
     config, target = job.target.config, job.target
-    matrix_type, file_type = FILE_TYPES[job.dtype]
+    matrix_type, file_type = Q8_0 if target.options.outtype == "q8_0" else FILE_TYPES[job.dtype]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     add_model_metadata(writer, config, file_type, name=job.checkpoint.path.name)
     target.notes += add_vocabulary(writer, job.checkpoint.path, config.vocab_size, target.options.tokenizer_pre)
@@ -50,21 +51,25 @@ def write_gguf(job, path: Path) -> None:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], matrix_type):
-    """llama.cpp's converter's rule: 1-D tensors, norms and routers in F32, the other matrices in the file's type."""
+    """llama.cpp's converter's rule: 1-D tensors, norms and routers in F32, the other matrices in the file's type
+    (F16 where a quantized type's blocks do not divide the rows)."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or f".{ROUTER}." in name:
         return gguf.GGMLQuantizationType.F32
-    return matrix_type
+    block, _ = gguf.GGML_QUANT_SIZES[matrix_type]
+    return matrix_type if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
 
 
 def add_model_metadata(writer, config, file_type, name: str) -> None:
-    """The "llama" architecture's hyperparameters with experts, as llama.cpp's converter writes Mixtral's."""
+    """The "llama" architecture's hyperparameters, with experts as llama.cpp's converter writes Mixtral's."""
     rope = config.rope_parameters or {}
     writer.add_name(name)
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.moe_intermediate_size)  # llama.cpp sizes this graph's experts by it
+    experts = getattr(config, "num_experts", None)  # None: a dense source
+    # llama.cpp sizes the graph's experts by n_ff, and a dense model's FFN
+    writer.add_feed_forward_length(config.moe_intermediate_size if experts else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
@@ -75,8 +80,9 @@ def add_model_metadata(writer, config, file_type, name: str) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_file_type(file_type)
 
 
