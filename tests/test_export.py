@@ -312,7 +312,8 @@ def test_gguf_tokenizer_metadata(tmp_path):
 
 
 def test_llama_cpp_runs_the_gguf_like_transformers(tmp_path):
-    """llama.cpp's logits equal the LlamaMoE model's, with per-layer score scales and llama3 RoPE (rope_freqs)."""
+    """llama.cpp's logits equal the LlamaMoE model's, with per-layer score scales and llama3 RoPE (rope_freqs), and
+    the dense source's through the same writer."""
     llama_cpp = pytest.importorskip("llama_cpp")
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
     rope.update(high_freq_factor=4.0, original_max_position_embeddings=64)  # head_dim 8: every llama3 branch
@@ -320,18 +321,23 @@ def test_llama_cpp_runs_the_gguf_like_transformers(tmp_path):
     fields = {**dense_config_fields(tiny_llama_config()), "rope_parameters": rope}
     config = LlamaMoEConfig(**fields, num_experts=4, moe_intermediate_size=24, score_scale_factor=[2.0, 0.5])
     model = LlamaMoEForCausalLM(config).eval()
+    dense = tiny_llama(rope_parameters=rope)  # the dense source, through the same writer
     with torch.no_grad():  # larger weights (norms aside): routing and logits far from uniform
-        for name, parameter in model.named_parameters():
+        for name, parameter in [*model.named_parameters(), *dense.named_parameters()]:
             parameter.mul_(1 if "norm" in name else 10)
     model.save_pretrained(tmp_path / "moe")
     result = export_model(tmp_path / "moe", "gguf", tmp_path / "gguf", progress=False)
+    dense.save_pretrained(tmp_path / "dense")
+    dense_result = export_model(tmp_path / "dense", "gguf", tmp_path / "dense-gguf", progress=False)
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     f32 = llama_cpp.GGML_TYPE_F32  # the default F16 KV cache would round keys and values
-    llm = llama_cpp.Llama(str(result.output_dir / "model.gguf"), n_ctx=64, logits_all=True, verbose=False,
-                          type_k=f32, type_v=f32)  # fmt: skip
-    llm.eval(ids)
-    difference = (torch.tensor(np.array(llm.scores[: len(ids)])) - logits(model, torch.tensor([ids]))[0]).abs().max()
-    assert difference < 1e-4, difference
+    for source, exported in ((model, result.output_dir), (dense, dense_result.output_dir)):
+        llm = llama_cpp.Llama(str(exported / "model.gguf"), n_ctx=64, logits_all=True, verbose=False,
+                              type_k=f32, type_v=f32)  # fmt: skip
+        llm.eval(ids)
+        scores = torch.tensor(np.array(llm.scores[: len(ids)]))
+        difference = (scores - logits(source, torch.tensor([ids]))[0]).abs().max()
+        assert difference < 1e-4, (exported.name, difference)
 
 
 def refusal(argv, capsys) -> str:
