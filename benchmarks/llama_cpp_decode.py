@@ -74,14 +74,20 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * source.nbytes / statistics.median(times) / 1e9
 
 
-def decode_rate(llm, prompt_ids: list[int], new_tokens: int) -> float:
-    """Tokens/s of greedy decoding after the prompt (the prompt's evaluation is not timed)."""
+def decode_rate(llm, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """Tokens/s of greedy decoding after the prompt (the prompt's evaluation is not timed), and llama.cpp's own
+    count of its decoding time per token (ms; `llama_perf_context`, which leaves out the Python around it)."""
+    import llama_cpp
+
     llm.reset()
     llm.eval(prompt_ids)
+    llama_cpp.llama_perf_context_reset(llm.ctx)
     start = time.perf_counter()
     for _ in range(new_tokens):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    return new_tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    perf = llama_cpp.llama_perf_context(llm.ctx)
+    return new_tokens / elapsed, perf.t_eval_ms / max(perf.n_eval, 1)
 
 
 def main() -> None:
@@ -108,23 +114,24 @@ def main() -> None:
         }
         step_bytes = {name: read_bytes_per_token(path) for name, path in files.items()}
         bandwidth = copy_bandwidth()
-        rates = {name: [] for name in models}
+        rates, own_ms = {name: [] for name in models}, {name: [] for name in models}
         for round_idx in range(args.rounds + 1):  # the first round warms up
             for name, llm in models.items():
-                rate = decode_rate(llm, prompt_ids, args.new_tokens)
+                rate, ms = decode_rate(llm, prompt_ids, args.new_tokens)
                 if round_idx:
                     rates[name].append(rate)
+                    own_ms[name].append(ms)
     print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, {args.new_tokens} greedy tokens, "
           f"median of {args.rounds} interleaved rounds; copy bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
     print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense (same type) | share of "
-          "limit |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "limit | llama.cpp's eval ms/token |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for name, values in rates.items():
         rate, outtype = statistics.median(values), name.split()[-1]
         dense = statistics.median(rates[f"dense {outtype}"])
         limit = bandwidth * 1e9 / step_bytes[name]
         print(f"| {name} | {step_bytes[name] / 1e6:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | "
-              f"{rate / limit:.0%} |")  # fmt: skip
+              f"{rate / limit:.0%} | {statistics.median(own_ms[name]):.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
