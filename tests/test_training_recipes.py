@@ -307,6 +307,7 @@ def test_recipe_files_parse_and_stage_one_runs_under_trl_sft(tiny_moe_path, tmp_
     ]
     card = (tmp_path / "out/README.md").read_text()
     assert "| 1 | trl sft | chat/train.jsonl | 2 |" in card and "## The model training started from" in card
+    assert "- trl-sft\n" in card  # a tag has no spaces
     assert str(tmp_path) not in card  # names, never local paths
 
 

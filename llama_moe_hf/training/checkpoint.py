@@ -91,7 +91,7 @@ def render_training_card(name: str, source: str, history: list[dict]) -> str:
 
     source_card = Path(source) / "README.md"
     base = ModelCard.load(source_card) if source_card.is_file() else None
-    kinds = sorted({stage["recipe"] for stage in history})
+    kinds = sorted({stage["recipe"].replace(" ", "-") for stage in history})  # Hub tags have no spaces ("trl sft")
     metadata = ModelCardData(
         base_model=getattr(base.data, "base_model", None) if base else None,
         library_name="transformers",
