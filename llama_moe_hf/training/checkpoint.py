@@ -45,7 +45,6 @@ def save_complete_checkpoint(
     The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step, as do
     the `extra` folders (name in the output: folder the main process wrote, e.g. a LoRA adapter)."""
     from ..checkpoints.writer import atomic_folder, normal_permissions
-    from ..conversion.recipe import RECIPE_FILE
 
     output = Path(output_dir).resolve()
     staging = output.with_name(f".{output.name}.staging")
@@ -61,12 +60,8 @@ def save_complete_checkpoint(
                     if entry.name != "training_args.bin":  # a pickle; the history records the arguments
                         entry.rename(tmp / entry.name)
                 tokenizer.save_pretrained(tmp)
-                if (Path(source) / RECIPE_FILE).is_file():
-                    shutil.copyfile(Path(source) / RECIPE_FILE, tmp / RECIPE_FILE)
-                history = read_history(source) + [record]
-                (tmp / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
+                write_training_record(tmp, output.name, source, record)
                 (tmp / LOG_FILE).write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
-                (tmp / "README.md").write_text(render_training_card(output.name, source, history), encoding="utf-8")
                 for name, folder in (extra or {}).items():
                     Path(folder).rename(tmp / name)
                 normal_permissions(tmp)
@@ -81,6 +76,18 @@ def save_complete_checkpoint(
                 output.rmdir()
     trainer.accelerator.wait_for_everyone()
     return output
+
+
+def write_training_record(folder: Path, name: str, source: str, record: dict) -> None:
+    """Into `folder`: the training history (the source's, extended by this stage's `record`), the conversion recipe
+    the source carries, and the card of the model `name`."""
+    from ..conversion.recipe import RECIPE_FILE
+
+    if (Path(source) / RECIPE_FILE).is_file():
+        shutil.copyfile(Path(source) / RECIPE_FILE, folder / RECIPE_FILE)
+    history = read_history(source) + [record]
+    (folder / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
+    (folder / "README.md").write_text(render_training_card(name, source, history), encoding="utf-8")
 
 
 def render_training_card(name: str, source: str, history: list[dict]) -> str:

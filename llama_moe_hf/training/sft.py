@@ -101,6 +101,13 @@ def mixture_shares(dataset_args) -> dict[str, float | None]:
     }
 
 
+def data_shares(script_args, dataset_args) -> dict[str, float | None]:
+    """Each dataset of a stage and its share: the mixture's (`datasets`), or the one `dataset_name`."""
+    if dataset_args.datasets:
+        return mixture_shares(dataset_args)
+    return {dataset_name(script_args.dataset_name): 1.0}
+
+
 def _load_data(script_args, training, dataset_args) -> tuple:
     """(the stage's dataset splits, each dataset's share)."""
     from datasets import load_dataset
@@ -113,10 +120,10 @@ def _load_data(script_args, training, dataset_args) -> tuple:
     level, datasets_logger.level = datasets_logger.level, logging.CRITICAL  # its parse errors: ours below, once
     try:
         if dataset_args.datasets:
-            dataset, shares = get_dataset(dataset_args), mixture_shares(dataset_args)
+            dataset = get_dataset(dataset_args)
         else:
             dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-            shares = {dataset_name(script_args.dataset_name): 1.0}
+        shares = data_shares(script_args, dataset_args)
     except DatasetGenerationError as error:  # e.g. a line that is not JSON: say which data and row
         names = [dataset_name(c.path, c.data_files) for c in dataset_args.datasets] or [script_args.dataset_name]
         raise ValueError(f"Cannot read the training data ({', '.join(names)}): {error.__cause__ or error}") from None

@@ -9,14 +9,12 @@ TRL's own card stays.
 """
 
 import inspect
-import json
 import logging
-import shutil
 from pathlib import Path
 
-from .checkpoint import HISTORY_FILE, read_history, render_training_card, stage_record
+from .checkpoint import stage_record, write_training_record
 from .resume import ResumableCheckpointsMixin
-from .sft import dataset_name, mixture_shares
+from .sft import data_shares
 
 logger = logging.getLogger(__name__)
 UNKNOWN_DATA = "data not recorded"
@@ -24,8 +22,6 @@ UNKNOWN_DATA = "data not recorded"
 
 def on_model_saved(model, save_directory, is_main_process: bool = True) -> None:
     """Write `training_history.json`, the conversion recipe and README.md next to a model a foreign Trainer saved."""
-    from ..conversion.recipe import RECIPE_FILE
-
     trainer, script_args, dataset_args = _callers()
     if not is_main_process or trainer is None or isinstance(trainer, ResumableCheckpointsMixin):
         return  # not training, or one of our recipes, which writes the complete checkpoint itself
@@ -39,15 +35,9 @@ def on_model_saved(model, save_directory, is_main_process: bool = True) -> None:
         examples=len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else 0,
         packing=getattr(trainer.args, "packing", False),
     )
-    folder, history = Path(save_directory), read_history(source) + [record]
-    if (Path(source) / RECIPE_FILE).is_file():
-        shutil.copyfile(Path(source) / RECIPE_FILE, folder / RECIPE_FILE)
-    (folder / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
     name = Path(trainer.args.output_dir).resolve().name  # a checkpoint-N folder is still the run's model
-    (folder / "README.md").write_text(render_training_card(name, source, history), encoding="utf-8")
-    for path in (folder / HISTORY_FILE, folder / "README.md"):
-        path.chmod(0o644)
-    logger.info("Wrote the llama-moe-hf training card to %s", folder / "README.md")
+    write_training_record(Path(save_directory), name, source, record)
+    logger.info("Wrote the llama-moe-hf training card to %s", Path(save_directory) / "README.md")
 
 
 def _callers() -> tuple:
@@ -66,9 +56,7 @@ def _callers() -> tuple:
 
 
 def _data(script_args, dataset_args) -> dict:
-    """Each dataset's share, as `recipes/sft.py` records it; one name when the run named a single dataset."""
-    if dataset_args is not None and dataset_args.datasets:
-        return mixture_shares(dataset_args)
-    if getattr(script_args, "dataset_name", None):
-        return {dataset_name(script_args.dataset_name): None}
+    """Each dataset's share, as `recipes/sft.py` records it."""
+    if dataset_args is not None and (dataset_args.datasets or getattr(script_args, "dataset_name", None)):
+        return data_shares(script_args, dataset_args)
     return {UNKNOWN_DATA: None}
