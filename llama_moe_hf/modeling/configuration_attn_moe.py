@@ -116,30 +116,8 @@ class AttnMoEConfig(LlamaMoEConfig):
                 f"Attention experts are LLaMA attention heads; a {self.source_model_type!r} model's attention differs "
                 "(biases, q/k norms, fused projections or windows) and cannot become AttnMoE experts."
             )
-        num_heads, num_kv_heads = self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads
+        self.check_attention_experts_split()
         num_experts, top_k = self.num_attention_experts, self.num_attention_experts_per_tok
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
-            )
-        granularity = self.attention_expert_granularity
-        if granularity not in ATTENTION_EXPERT_GRANULARITIES:
-            raise ValueError(
-                f"Unknown attention_expert_granularity {granularity!r}; choose one of "
-                f"{', '.join(ATTENTION_EXPERT_GRANULARITIES)}."
-            )
-        valid = valid_attention_expert_counts(num_heads, num_kv_heads, granularity)
-        if num_experts not in valid:
-            what = (
-                f"the {num_kv_heads} KV groups into equal whole groups"
-                if granularity == "kv_group"
-                else f"each KV group's {num_heads // num_kv_heads} query heads into equal subsets"
-            )
-            raise ValueError(
-                f"Cannot cut {num_heads} query heads / {num_kv_heads} KV heads into {num_experts} attention experts "
-                f"with attention_expert_granularity={granularity!r}: experts must split {what} (an expert may not "
-                f"split a KV head's group across experts). Valid counts: {valid}."
-            )
         if not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"num_attention_experts_per_tok (attention top-k) must be between 1 and "
@@ -172,6 +150,34 @@ class AttnMoEConfig(LlamaMoEConfig):
             raise ValueError(f"attention_moe_layers {bad_layers} are outside 0..{self.num_hidden_layers - 1}.")
         if len(set(layers)) != len(layers):
             raise ValueError(f"attention_moe_layers has duplicates: {layers}.")
+
+    def check_attention_experts_split(self):
+        """The query heads must split into `num_attention_experts` experts as `attention_expert_granularity` says:
+        whole KV groups, or equal subsets of each group's query heads."""
+        num_heads, num_kv_heads = self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads
+        num_experts = self.num_attention_experts
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
+            )
+        granularity = self.attention_expert_granularity
+        if granularity not in ATTENTION_EXPERT_GRANULARITIES:
+            raise ValueError(
+                f"Unknown attention_expert_granularity {granularity!r}; choose one of "
+                f"{', '.join(ATTENTION_EXPERT_GRANULARITIES)}."
+            )
+        valid = valid_attention_expert_counts(num_heads, num_kv_heads, granularity)
+        if num_experts not in valid:
+            what = (
+                f"the {num_kv_heads} KV groups into equal whole groups"
+                if granularity == "kv_group"
+                else f"each KV group's {num_heads // num_kv_heads} query heads into equal subsets"
+            )
+            raise ValueError(
+                f"Cannot cut {num_heads} query heads / {num_kv_heads} KV heads into {num_experts} attention experts "
+                f"with attention_expert_granularity={granularity!r}: experts must split {what} (an expert may not "
+                f"split a KV head's group across experts). Valid counts: {valid}."
+            )
 
     @property
     def num_router_layers(self) -> int:

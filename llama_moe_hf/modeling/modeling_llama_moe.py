@@ -504,7 +504,7 @@ def indexed_reduction_experts_forward(
 
 def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """`experts_implementation="llama_moe_auto"` (the default): `llama_moe_cpu` on CPU; compiled on CPU, the indexed
-    reduction for decoding-sized inputs (`T * k <= E`; 1.76x dense tokens/s against 1.40x for `grouped_mm` in
+    reduction for decoding-sized inputs (`T * k <= E`; 1.78x dense tokens/s against 1.39x for `grouped_mm` in
     docs/benchmarks.md); otherwise, under `torch.compile` (which needs shapes that do not depend on the routing) and
     with expert parallelism (whose dispatch marks the tokens of other ranks' experts), transformers' `grouped_mm`,
     the default of its own MoE families."""
