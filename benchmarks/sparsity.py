@@ -11,6 +11,7 @@ Each row is appended to `--output` (JSON lines) as soon as it is measured.
 
     python benchmarks/sparsity.py --output sparsity.jsonl                           # the whole grid
     python benchmarks/sparsity.py --methods cluster --sparsity 25 --heal 0 32768    # one method, with healing
+    python benchmarks/sparsity.py --methods residual --sparsity 75 --heal 32768 --heal-fields heal_schedule=cosine
     python benchmarks/sparsity.py --table sparsity.jsonl                            # the rows as a markdown table
 """
 
@@ -48,9 +49,9 @@ def row_fields(method: str, sparsity: int, router: str) -> dict:
     )
 
 
-def measure(dense, tokenizer, context, tokens, fields: dict, heal: int) -> dict:
+def measure(dense, tokenizer, context, tokens, fields: dict, heal: int, heal_fields: dict) -> dict:
     start = time.perf_counter()
-    model = build_moe(dense, tokenizer=tokenizer, context=context, heal_tokens=heal, **fields)
+    model = build_moe(dense, tokenizer=tokenizer, context=context, heal_tokens=heal, **fields, **heal_fields)
     seconds = time.perf_counter() - start
     result = perplexities(model, tokens)
     info = model.config.conversion_info.get("healing", {})
@@ -63,7 +64,8 @@ def print_table(paths: list[str]) -> None:
     print("| active | method | router | healed on | tutorial | howto | build s |\n|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["sparsity"], r["ratio"]["tutorial"])):
         healed = f"{row['heal_tokens']:,}" if row["heal_tokens"] else "-"
-        cells = [f"{row['sparsity']}%", row["method"], row["router"], healed]
+        changed = " ".join(f"{name}={value}" for name, value in row.get("heal_fields", {}).items())
+        cells = [f"{row['sparsity']}%", row["method"], row["router"] + (f" ({changed})" if changed else ""), healed]
         cells += [f"{row['ratio']['tutorial']:.2f}x", f"{row['ratio']['howto']:.2f}x", f"{row['seconds']:.0f}"]
         print("| " + " | ".join(cells) + " |")
 
@@ -74,6 +76,9 @@ def main() -> None:
     parser.add_argument("--sparsity", nargs="+", type=int, default=[25, 50, 75])
     parser.add_argument("--routers", nargs="+", default=["selector"], help="router inits (analytical: carve only)")
     parser.add_argument("--heal", nargs="+", type=int, default=[0], help="heal tokens per row (0: training-free)")
+    parser.add_argument(
+        "--heal-fields", nargs="+", default=[], metavar="NAME=VALUE", help="healing fields of healed rows: heal_lr=1e-3"
+    )
     parser.add_argument("--output", help="JSON lines, one per row")
     parser.add_argument("--table", nargs="+", help="print these JSON-lines files as a markdown table and stop")
     parser.add_argument("--threads", type=int, default=2)
@@ -83,6 +88,8 @@ def main() -> None:
     if not args.output:
         parser.error("--output is required to measure")
     torch.set_num_threads(args.threads)
+    heal_fields = dict(field.split("=", 1) for field in args.heal_fields)
+    heal_fields = {name: value if name == "heal_schedule" else json.loads(value) for name, value in heal_fields.items()}
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -98,8 +105,11 @@ def main() -> None:
                         continue
                     for heal in args.heal:
                         fields = row_fields(method, sparsity, router)
+                        changed = heal_fields if heal else {}
                         row = {"method": method, "sparsity": sparsity, "router": router, "heal_tokens": heal}
-                        row.update(measure(dense, tokenizer, context, tokens, fields, heal))
+                        row.update(measure(dense, tokenizer, context, tokens, fields, heal, changed))
+                        if changed:
+                            row["heal_fields"] = changed
                         row["ratio"] = {n: round(row["perplexity"][n] / reference[n], 3) for n in reference}
                         print(json.dumps(row), flush=True)
                         out.write(json.dumps(row) + "\n")

@@ -139,8 +139,31 @@ def test_bad_healing_settings_and_teachers_are_one_line(healed, tmp_path, capsys
     soap = ["convert", "--family", "soap_moe", "--output", str(tmp_path / "s"), "--heal-tokens", "512"]
     assert main(soap) == 2
     assert "--heal-tokens does not apply to the soap_moe family" in one_error_line(capsys)
+    schedule = ["convert", "--model", str(root / "plain"), "--output", str(tmp_path / "x"), "--heal-tokens", "512"]
+    assert main([*schedule, "--heal-schedule", "warmup"]) == 2
+    assert "--heal-schedule must be one of constant, cosine, linear" in one_error_line(capsys)
     tiny_llama(num_hidden_layers=3).save_pretrained(tmp_path / "other")  # not the dense model of this MoE
     capsys.readouterr()
     assert main(["heal", str(plain), "--output", str(tmp_path / "y"), "--teacher", str(tmp_path / "other")]) == 2
     assert "The teacher is not the dense model of this MoE" in one_error_line(capsys)
     assert not (tmp_path / "y").exists()
+
+
+def test_the_learning_rate_follows_the_heal_schedule_in_each_layer(healed, tmp_path, monkeypatch):
+    _, plain, _ = healed
+    rates, real_step = [], torch.optim.Adam.step
+
+    def record(optimizer, *args, **kwargs):
+        rates.append(optimizer.param_groups[0]["lr"])
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", record)
+    options = HealOptions(
+        output=str(tmp_path / "cosine"), heal_tokens=1024, heal_epochs=2, heal_schedule="cosine", progress=False
+    )
+    heal_folder(plain, options)
+    layers = load_moe(tmp_path / "cosine").config.num_hidden_layers
+    steps = len(rates) // layers  # 1024 tokens in steps of 512, twice
+    assert steps == 4 and rates[:steps] == rates[steps : 2 * steps]
+    assert rates[0] == 3e-3 and rates[1] > rates[2] > rates[3] > 0
+    assert load_moe(tmp_path / "cosine").config.conversion_info["healing"]["schedule"] == "cosine"

@@ -20,7 +20,7 @@ def soap_model(seed: int = 0, **fields) -> SoapMoEForCausalLM:
     """A tiny random SoapMoE (4 experts that differ, segments of 8 tokens), in eval mode."""
     torch.manual_seed(seed)
     fields = {"num_experts": 4, "segment_length": SEGMENT, "merge_chunk_size": 3} | fields
-    model = SoapMoEForCausalLM(SoapMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)).eval()
+    model = SoapMoEForCausalLM(SoapMoEConfig(**(dense_config_fields(tiny_llama_config()) | fields))).eval()
     for layer in model.model.layers:  # a router far from uniform, so routing matters
         layer.mlp.gate.weight.data.normal_(0, 1.0)
     return model
@@ -67,9 +67,12 @@ def test_noisy_upcycling_breaks_the_symmetry_but_stays_close():
 
 @pytest.mark.parametrize("chunk", [3, 16])  # several chunks (merged again in backward), or one (kept)
 @pytest.mark.parametrize("merge_top_k", [None, 2])
-def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(merge_top_k, chunk):
+@pytest.mark.parametrize("act", ["silu", "gelu"])  # the hand-written SiLU backward, and autograd's for the others
+def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(merge_top_k, chunk, act):
     torch.manual_seed(0)
-    experts = soap_model(num_experts_per_tok=merge_top_k, merge_chunk_size=chunk).model.layers[0].mlp.experts.double()
+    model = soap_model(num_experts_per_tok=merge_top_k, merge_chunk_size=chunk, hidden_act=act)
+    experts = model.model.layers[0].mlp.experts.double()
+    assert experts.silu == (act == "silu")
     x = torch.randn(7, SEGMENT, 64, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(7, merge_top_k or 4, dtype=torch.float64, requires_grad=True)
     index = torch.arange(4).expand(7, 4) if merge_top_k is None else torch.rand(7, 4).topk(2).indices
@@ -80,6 +83,38 @@ def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(me
         results.append((output, *grads))
     for fast, reference in zip(*results):
         torch.testing.assert_close(fast, reference, atol=1e-12, rtol=1e-10)
+
+
+def test_a_second_backward_of_the_same_graph_gives_the_same_gradients():
+    """The fast path writes the merged weights' gradients over the merged weights it kept from the forward; a
+    second backward (retain_graph) must merge again, not read those."""
+    torch.manual_seed(0)
+    experts = soap_model(merge_chunk_size=16).model.layers[0].mlp.experts.double()
+    x = torch.randn(5, SEGMENT, 64, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(5, 4, dtype=torch.float64, requires_grad=True)
+    loss = experts(x, weights, torch.arange(4).expand(5, 4)).square().sum()
+    inputs = (x, weights, experts.gate_up_proj, experts.down_proj)
+    first = torch.autograd.grad(loss, inputs, retain_graph=True)
+    for again, expected in zip(torch.autograd.grad(loss, inputs), first):
+        torch.testing.assert_close(again, expected, atol=0, rtol=0)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """Checkpointing recomputes the fast path's forward (its kept merged weights included) in backward."""
+    model = soap_model(merge_chunk_size=16).train()
+    ids = token_ids(length=3 * SEGMENT)
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected = grads()
+    model.activation_checkpointing_enable()
+    actual = grads()
+    assert actual.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class HealOptions:
     heal_epochs: int = _recipe_field("heal_epochs")
     heal_lr: float = _recipe_field("heal_lr")
     heal_batch_tokens: int = _recipe_field("heal_batch_tokens")
+    heal_schedule: str = _recipe_field("heal_schedule")
     heal_routing_weight: float = _recipe_field("heal_routing_weight")
     device: str | None = field(default=None, metadata={"help": "device (default: cuda if available, else cpu)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder at the end"})

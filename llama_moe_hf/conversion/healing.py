@@ -46,11 +46,13 @@ class HealSettings:
     batch_tokens: int
     routing_weight: float
     seed: int
+    schedule: str = "constant"
 
     @classmethod
     def from_recipe(cls, recipe) -> "HealSettings":
         r = recipe
-        return cls(r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed)
+        fields = (r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed)
+        return cls(*fields, r.heal_schedule)
 
 
 class LayerHealer:
@@ -181,11 +183,16 @@ def state_dir_for(output: Path) -> Path:
 
 
 def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: HealSettings, layer_idx: int) -> None:
-    """Adam on every parameter of the MoE block, in mini-batches of `batch_tokens` tokens, `epochs` passes."""
+    """Adam on every parameter of the MoE block, in mini-batches of `batch_tokens` tokens, `epochs` passes, the
+    learning rate following `schedule` over the layer's steps."""
+    from transformers import get_scheduler
+
     from .gmoefication import selector_loss
 
     block.requires_grad_(True)
     optimizer = torch.optim.Adam(block.parameters(), lr=settings.lr)
+    steps = settings.epochs * -(-inputs.shape[0] // settings.batch_tokens)
+    scheduler = get_scheduler(settings.schedule, optimizer, num_warmup_steps=0, num_training_steps=steps)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
     scale = targets.pow(2).mean()
     for _ in range(settings.epochs):
@@ -198,6 +205,7 @@ def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: H
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            scheduler.step()
     block.requires_grad_(False)
 
 

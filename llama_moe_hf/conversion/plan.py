@@ -102,6 +102,9 @@ def _check_healing(recipe: MoERecipe) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
     if recipe.heal_lr <= 0 or recipe.heal_routing_weight < 0:
         raise ValueError("--heal-lr must be > 0 and --heal-routing-weight >= 0.")
+    schedules = ("constant", "cosine", "linear")
+    if recipe.heal_schedule not in schedules:
+        raise ValueError(f"--heal-schedule must be one of {', '.join(schedules)}, got {recipe.heal_schedule!r}.")
 
 
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:

@@ -77,6 +77,10 @@ class RecipeFields:
     heal_epochs: int = dataclasses.field(default=4, metadata={"help": "healing: passes over the heal tokens"})
     heal_lr: float = dataclasses.field(default=3e-3, metadata={"help": "healing: Adam learning rate"})
     heal_batch_tokens: int = dataclasses.field(default=512, metadata={"help": "healing: tokens per step"})
+    heal_schedule: str = dataclasses.field(
+        default="constant",
+        metadata={"help": "healing: learning-rate schedule over each layer's steps: constant, cosine or linear"},
+    )
     heal_routing_weight: float = dataclasses.field(
         default=0.1,
         metadata={"help": "healing: weight of the term that ranks the router's experts by what leaving them out costs"},

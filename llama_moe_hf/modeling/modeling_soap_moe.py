@@ -126,28 +126,52 @@ def merge_experts(weights: torch.Tensor, index: torch.Tensor, experts: torch.Ten
     return merged.view(weights.shape[0], *experts.shape[1:])
 
 
-def _merge_backward(grad_merged, weights, index, experts, grad_experts) -> torch.Tensor:
-    """Backward of `merge_experts`: the gradient of its weights [N, k] is returned, that of the experts is added into
-    `grad_experts` [E, P] in place (no [E, P] temporary), given the merged rows' gradient [N, *shape]."""
+def _merge_backward(grad_merged, weights, index, experts, grad_experts, first: bool) -> torch.Tensor:
+    """Backward of `merge_experts`: the gradient of its weights [N, k] is returned, that of the experts written
+    (`first`) or added into `grad_experts` [E, P] in place (no [E, P] temporary, no zero fill), given the merged
+    rows' gradient [N, *shape]."""
     flat, grad = experts.reshape(experts.shape[0], -1), grad_merged.reshape(grad_merged.shape[0], -1)
     weights = weights.to(grad.dtype)
     if index.shape[-1] == flat.shape[0]:
-        grad_experts.addmm_(weights.T, grad)
+        if first:
+            torch.mm(weights.T, grad, out=grad_experts)
+        else:
+            grad_experts.addmm_(weights.T, grad)
         return grad @ flat.T
+    if first:
+        grad_experts.zero_()
     rows = (weights.unsqueeze(-1) * grad.unsqueeze(1)).flatten(0, 1)  # [N * k, P]
     grad_experts.index_add_(0, index.flatten(), rows)
     return torch.bmm(flat[index], grad.unsqueeze(-1)).squeeze(-1)  # [N, k, P] @ [N, P, 1]
 
 
-def _weight_grads(grad: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """grad[n]^T @ inputs[n] per row: [N, L, O], [N, L, I] -> [N, O, I]. On CPU a loop of matmuls: it ran 1.2x faster
-    than `bmm` over the transposed gradients (8 x 256 tokens, SmolLM2's FFN; docs/benchmarks.md)."""
-    if grad.device.type != "cpu":
-        return torch.bmm(grad.transpose(1, 2), inputs)
-    out = grad.new_empty(grad.shape[0], grad.shape[2], inputs.shape[2])
-    for n in range(grad.shape[0]):
-        torch.mm(grad[n].T, inputs[n], out=out[n])
-    return out
+def _weight_grads(grad: torch.Tensor, inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """grad[n]^T @ inputs[n] per row into `out`: [N, L, O], [N, L, I] -> [N, O, I]."""
+    return torch.bmm(grad.transpose(1, 2), inputs, out=out)
+
+
+def _swiglu_backward(pre: torch.Tensor, grad_hidden: torch.Tensor, act_fn, silu: bool) -> torch.Tensor:
+    """Gradient of `act_fn(gate) * up` with respect to pre = [gate | up] [n, L, 2I], given that of the product
+    [n, L, I]. SiLU: written straight into the two halves of one buffer (aten's fused `silu_backward`), with no
+    autograd graph and no `cat`; any other activation through autograd."""
+    gate, up = pre.chunk(2, dim=-1)
+    if not silu:
+        gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        with torch.enable_grad():
+            hidden = act_fn(gate) * up
+        return torch.cat(torch.autograd.grad(hidden, (gate, up), grad_hidden), dim=-1)
+    grad_pre = torch.empty_like(pre)
+    grad_gate, grad_up = grad_pre.chunk(2, dim=-1)
+    torch.mul(grad_hidden, up, out=grad_up)  # d(silu(gate)), parked in the up half until the gate's is written
+    torch.ops.aten.silu_backward.grad_input(grad_up, gate, grad_input=grad_gate)
+    torch.mul(F.silu(gate), grad_hidden, out=grad_up)
+    return grad_pre
+
+
+def _overwritable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s memory under a version counter of its own: backward writes gradients over the merged weights it
+    saved without autograd's in-place check refusing a second backward (which, told so, merges again)."""
+    return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def _chunks(rows: int, size: int):
@@ -157,45 +181,49 @@ def _chunks(rows: int, size: int):
 class SegmentMergedFFN(torch.autograd.Function):
     """y[n] = SwiGLU(x[n]) with row n's merged weights, `chunk` rows at a time. At most one chunk of merged weights
     exists at once: when there are several chunks, backward merges each again instead of keeping all N (memory
-    O(chunk), not O(N)); a single chunk is kept from the forward."""
+    O(chunk), not O(N)); a single chunk is kept from the forward. Saved for backward: the input, the pre-activations
+    and the activation product (what the weight gradients read), nothing of autograd's own."""
 
     @staticmethod
-    def forward(ctx, x, weights, index, gate_up_proj, down_proj, act_fn, chunk):
+    def forward(ctx, x, weights, index, gate_up_proj, down_proj, act_fn, chunk, silu=False):
         # x [N, L, H]; weights, index [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]
         output = torch.empty_like(x)
         pre_activation = x.new_empty(*x.shape[:2], gate_up_proj.shape[1])  # [N, L, 2I]
+        hidden = x.new_empty(*x.shape[:2], down_proj.shape[2])  # [N, L, I]
         for rows in _chunks(x.shape[0], chunk):
             gate_up = merge_experts(weights[rows], index[rows], gate_up_proj)  # [n, 2I, H]
             down = merge_experts(weights[rows], index[rows], down_proj)  # [n, H, I]
             torch.bmm(x[rows], gate_up.transpose(1, 2), out=pre_activation[rows])
             gate, up = pre_activation[rows].chunk(2, dim=-1)
-            torch.bmm(act_fn(gate) * up, down.transpose(1, 2), out=output[rows])
+            torch.mul(act_fn(gate), up, out=hidden[rows])
+            torch.bmm(hidden[rows], down.transpose(1, 2), out=output[rows])
         kept = (gate_up, down) if x.shape[0] <= chunk else ()
-        ctx.save_for_backward(x, weights, index, gate_up_proj, down_proj, pre_activation, *kept)
-        ctx.act_fn, ctx.chunk = act_fn, chunk
+        ctx.save_for_backward(x, weights, index, gate_up_proj, down_proj, pre_activation, hidden, *kept)
+        ctx.act_fn, ctx.chunk, ctx.silu, ctx.kept_overwritten = act_fn, chunk, silu, False
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weights, index, gate_up_proj, down_proj, pre_activation, *kept = ctx.saved_tensors
+        x, weights, index, gate_up_proj, down_proj, pre_activation, hidden, *kept = ctx.saved_tensors
+        kept = () if ctx.kept_overwritten else [_overwritable(t) for t in kept]  # a second backward merges again
+        ctx.kept_overwritten = bool(kept)
         grad_x, grad_weights = torch.empty_like(x), torch.empty_like(weights)
-        grad_gate_up, grad_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
-        for rows in _chunks(x.shape[0], ctx.chunk):
-            gate_up, down = kept or (merge_experts(weights[rows], index[rows], p) for p in (gate_up_proj, down_proj))
-            gate, up = (t.detach().requires_grad_() for t in pre_activation[rows].chunk(2, dim=-1))
-            with torch.enable_grad():
-                hidden = ctx.act_fn(gate) * up  # [n, L, I]
-            grad_down_merged = _weight_grads(grad_output[rows], hidden.detach())  # [n, H, I]
+        grad_gate_up, grad_down = torch.empty_like(gate_up_proj), torch.empty_like(down_proj)
+        for number, rows in enumerate(_chunks(x.shape[0], ctx.chunk)):
+            gate_up, down = kept or [merge_experts(weights[rows], index[rows], p) for p in (gate_up_proj, down_proj)]
             grad_hidden = torch.bmm(grad_output[rows], down)  # [n, L, I]
-            grad_pre = torch.cat(torch.autograd.grad(hidden, (gate, up), grad_hidden), dim=-1)  # [n, L, 2I]
-            grad_gate_up_merged = _weight_grads(grad_pre, x[rows])  # [n, 2I, H]
+            # Each merged weight's gradient is written over the merged weight once it has been read for the last
+            # time: no fresh [n, *merged] buffers (memory, and on CPU their page faults).
+            grad_down_merged = _weight_grads(grad_output[rows], hidden[rows], out=down)  # [n, H, I]
+            grad_pre = _swiglu_backward(pre_activation[rows], grad_hidden, ctx.act_fn, ctx.silu)  # [n, L, 2I]
             torch.bmm(grad_pre, gate_up, out=grad_x[rows])
+            grad_gate_up_merged = _weight_grads(grad_pre, x[rows], out=gate_up)  # [n, 2I, H]
             merged_grads = ((grad_gate_up_merged, gate_up_proj, grad_gate_up), (grad_down_merged, down_proj, grad_down))
             grad_weights[rows] = sum(
-                _merge_backward(grad, weights[rows], index[rows], experts, total.view(experts.shape[0], -1))
+                _merge_backward(grad, weights[rows], index[rows], experts, total.view(len(experts), -1), number == 0)
                 for grad, experts, total in merged_grads
             ).to(grad_weights.dtype)
-        return grad_x, grad_weights, None, grad_gate_up, grad_down, None, None
+        return grad_x, grad_weights, None, grad_gate_up, grad_down, None, None, None
 
 
 class SoapMoEExperts(nn.Module):
@@ -209,10 +237,12 @@ class SoapMoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * size, hidden))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, size))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act in ("silu", "swish")  # the fast path's hand-written activation backward
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Fast path: x [N, L, H] (N segments), weights and index [N, k] -> [N, L, H]."""
-        return SegmentMergedFFN.apply(x, weights, index, self.gate_up_proj, self.down_proj, self.act_fn, self.chunk)
+        experts = (self.gate_up_proj, self.down_proj)
+        return SegmentMergedFFN.apply(x, weights, index, *experts, self.act_fn, self.chunk, self.silu)
 
     def reference_forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Plain path (same result): merge every segment's experts, then the FFN as two batched matmuls."""
