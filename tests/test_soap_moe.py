@@ -86,8 +86,8 @@ def test_fast_chunked_path_matches_the_reference_path_in_values_and_gradients(me
 
 
 def test_a_second_backward_of_the_same_graph_gives_the_same_gradients():
-    """The fast path writes the merged weights' gradients over the merged weights it kept from the forward; a
-    second backward (retain_graph) must merge again, not read those."""
+    """The fast path writes the merged weights' gradients over the merged weights it kept from the forward; every
+    later backward (retain_graph) must merge again, not read those."""
     torch.manual_seed(0)
     experts = soap_model(merge_chunk_size=16).model.layers[0].mlp.experts.double()
     x = torch.randn(5, SEGMENT, 64, dtype=torch.float64, requires_grad=True)
@@ -95,8 +95,9 @@ def test_a_second_backward_of_the_same_graph_gives_the_same_gradients():
     loss = experts(x, weights, torch.arange(4).expand(5, 4)).square().sum()
     inputs = (x, weights, experts.gate_up_proj, experts.down_proj)
     first = torch.autograd.grad(loss, inputs, retain_graph=True)
-    for again, expected in zip(torch.autograd.grad(loss, inputs), first):
-        torch.testing.assert_close(again, expected, atol=0, rtol=0)
+    for retain in (True, False):  # a second and a third backward
+        for again, expected in zip(torch.autograd.grad(loss, inputs, retain_graph=retain), first):
+            torch.testing.assert_close(again, expected, atol=0, rtol=0)
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

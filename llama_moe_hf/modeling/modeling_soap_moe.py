@@ -205,8 +205,8 @@ class SegmentMergedFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weights, index, gate_up_proj, down_proj, pre_activation, hidden, *kept = ctx.saved_tensors
-        kept = () if ctx.kept_overwritten else [_overwritable(t) for t in kept]  # a second backward merges again
-        ctx.kept_overwritten = bool(kept)
+        kept = () if ctx.kept_overwritten else [_overwritable(t) for t in kept]  # later backwards merge again
+        ctx.kept_overwritten = True
         grad_x, grad_weights = torch.empty_like(x), torch.empty_like(weights)
         grad_gate_up, grad_down = torch.empty_like(gate_up_proj), torch.empty_like(down_proj)
         for number, rows in enumerate(_chunks(x.shape[0], ctx.chunk)):
