@@ -58,6 +58,14 @@ def measure(dense, tokenizer, context, tokens, fields: dict, heal: int, heal_fie
     return {"seconds": round(seconds, 1), "perplexity": result, "healing": info}
 
 
+def field_value(text: str):
+    """A number or boolean as JSON reads it, else the text itself (heal_schedule=cosine)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def print_table(paths: list[str]) -> None:
     """The rows of JSON-lines files as one markdown table, by sparsity, then tutorial ratio."""
     rows = [json.loads(line) for path in paths for line in open(path) if '"method"' in line]
@@ -88,8 +96,7 @@ def main() -> None:
     if not args.output:
         parser.error("--output is required to measure")
     torch.set_num_threads(args.threads)
-    heal_fields = dict(field.split("=", 1) for field in args.heal_fields)
-    heal_fields = {name: value if name == "heal_schedule" else json.loads(value) for name, value in heal_fields.items()}
+    heal_fields = {name: field_value(value) for name, value in (field.split("=", 1) for field in args.heal_fields)}
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
