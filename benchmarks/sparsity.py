@@ -33,9 +33,10 @@ OPTIONS = {"cluster": {"cluster_on": "activations"}}
 CALIBRATION = dict(calibration_tokens=32768, calibration_samples=32768)
 
 
-def row_fields(method: str, sparsity: int, router: str) -> dict:
-    """The recipe fields of a row: `sparsity`% of the 8 experts' worth of neurons active, the shared one included."""
-    shared = SHARED[method]
+def row_fields(method: str, sparsity: int, router: str, shared: int | None = None) -> dict:
+    """The recipe fields of a row: `sparsity`% of the 8 experts' worth of neurons active, the shared ones included
+    (`shared`: how many, default the method's `SHARED`)."""
+    shared = SHARED[method] if shared is None else shared
     active = NUM_EXPERTS * sparsity // 100
     return dict(
         method=method,
@@ -73,7 +74,8 @@ def print_table(paths: list[str]) -> None:
     for row in sorted(rows, key=lambda r: (r["sparsity"], r["ratio"]["tutorial"])):
         healed = f"{row['heal_tokens']:,}" if row["heal_tokens"] else "-"
         changed = " ".join(f"{name}={value}" for name, value in row.get("heal_fields", {}).items())
-        cells = [f"{row['sparsity']}%", row["method"], row["router"] + (f" ({changed})" if changed else ""), healed]
+        method = row["method"] + (f", {row['shared']} shared" if "shared" in row else "")
+        cells = [f"{row['sparsity']}%", method, row["router"] + (f" ({changed})" if changed else ""), healed]
         cells += [f"{row['ratio']['tutorial']:.2f}x", f"{row['ratio']['howto']:.2f}x", f"{row['seconds']:.0f}"]
         print("| " + " | ".join(cells) + " |")
 
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument(
         "--heal-fields", nargs="+", default=[], metavar="NAME=VALUE", help="healing fields of healed rows: heal_lr=1e-3"
     )
+    parser.add_argument("--shared", type=int, help="shared experts of every row (default: 1 where the method has them)")
     parser.add_argument("--output", help="JSON lines, one per row")
     parser.add_argument("--table", nargs="+", help="print these JSON-lines files as a markdown table and stop")
     parser.add_argument("--threads", type=int, default=2)
@@ -111,9 +114,11 @@ def main() -> None:
                     if router == "analytical" and method != "carve":
                         continue
                     for heal in args.heal:
-                        fields = row_fields(method, sparsity, router)
+                        fields = row_fields(method, sparsity, router, args.shared)
                         changed = heal_fields if heal else {}
                         row = {"method": method, "sparsity": sparsity, "router": router, "heal_tokens": heal}
+                        if args.shared is not None:
+                            row["shared"] = args.shared
                         row.update(measure(dense, tokenizer, context, tokens, fields, heal, changed))
                         if changed:
                             row["heal_fields"] = changed

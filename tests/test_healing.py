@@ -13,8 +13,9 @@ from llama_moe_hf.commands import main
 from llama_moe_hf.conversion import healing
 from llama_moe_hf.conversion.heal import HealOptions, heal_folder
 
-SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024, eval=False)
-HEAL = dict(heal_tokens=1024, heal_epochs=2)
+SPLIT_FIELDS = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
+SPLIT = dict(SPLIT_FIELDS, eval=False)
+HEAL = dict(heal_tokens=1024, heal_epochs=2, heal_target="mlp")  # the stream target (the default) has its own tests
 
 
 def tensors(folder):
@@ -53,7 +54,7 @@ def test_healing_brings_the_mlps_and_the_logits_closer_to_the_dense_model(healed
 
 def test_converting_and_healing_in_one_run_or_two_give_the_same_weights(healed, tiny_dense, tmp_path):
     _, plain, result = healed
-    options = HealOptions(output=str(tmp_path / "later"), heal_tokens=1024, heal_epochs=2, progress=False)
+    options = HealOptions(output=str(tmp_path / "later"), **HEAL, progress=False)
     heal_folder(plain, options)  # the teacher: the dense model the folder was converted from
     assert_same_tensors(tmp_path / "later", result.output_dir)
     info = json.loads((tmp_path / "later" / "config.json").read_text())["conversion_info"]
@@ -76,7 +77,7 @@ def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed,
         return real_train(block, inputs, targets, settings, layer_idx)
 
     monkeypatch.setattr(healing, "_train_block", interrupt_at_layer_one)
-    options = HealOptions(output=str(tmp_path / "out"), heal_tokens=1024, heal_epochs=2, progress=False)
+    options = HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False)
     with pytest.raises(KeyboardInterrupt):
         heal_folder(plain, options)
     assert not (tmp_path / "out").exists() and (tmp_path / ".out.healing" / "layer_0.safetensors").is_file()
@@ -123,7 +124,7 @@ def test_a_heal_killed_between_its_writes_resumes_from_a_consistent_layer(healed
         return real_atomic(path, write)
 
     monkeypatch.setattr(healing, "_atomic", die_before_the_second_record)
-    options = HealOptions(output=str(tmp_path / "out"), heal_tokens=1024, heal_epochs=2, progress=False)
+    options = HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False)
     with pytest.raises(KeyboardInterrupt):
         heal_folder(plain, options)
     heal_folder(plain, options)
@@ -158,12 +159,85 @@ def test_the_learning_rate_follows_the_heal_schedule_in_each_layer(healed, tmp_p
         return real_step(optimizer, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.Adam, "step", record)
-    options = HealOptions(
-        output=str(tmp_path / "cosine"), heal_tokens=1024, heal_epochs=2, heal_schedule="cosine", progress=False
-    )
+    options = HealOptions(output=str(tmp_path / "cosine"), **HEAL, heal_schedule="cosine", progress=False)
     heal_folder(plain, options)
     layers = load_moe(tmp_path / "cosine").config.num_hidden_layers
     steps = len(rates) // layers  # 1024 tokens in steps of 512, twice
     assert steps == 4 and rates[:steps] == rates[steps : 2 * steps]
     assert rates[0] == 3e-3 and rates[1] > rates[2] > rates[3] > 0
     assert load_moe(tmp_path / "cosine").config.conversion_info["healing"]["schedule"] == "cosine"
+
+
+def test_the_stream_target_carries_the_dense_models_own_states_and_resumes_the_same(
+    healed, tiny_dense, tmp_path, monkeypatch
+):
+    """With `--heal-target stream` each MLP learns the dense model's states after its layer less the converted
+    attention's output: the dense states the healer carries are transformers' own hidden states of the dense model,
+    the first layer's target is the plain MLP target (the two models agree before it), and a resume ends the same."""
+    from transformers import AutoModelForCausalLM
+
+    _, plain, _ = healed
+    seen, real_init, real_targets = {}, healing.LayerHealer.__init__, healing.LayerHealer._targets
+
+    def keep_tokens(self, settings, config, layer_class, rotary_class, embed_weight, input_ids, *args):
+        seen["input_ids"] = input_ids
+        real_init(self, settings, config, layer_class, rotary_class, embed_weight, input_ids, *args)
+
+    def keep_states(self, layer, inputs, attended, dense):
+        targets = real_targets(self, layer, inputs, attended, dense)
+        seen.setdefault("targets", targets)
+        seen.setdefault("mlp", healing._swiglu(inputs, dense, self.config.hidden_act))
+        seen.setdefault("states", []).append(self.dense_hidden.clone())
+        return targets
+
+    monkeypatch.setattr(healing.LayerHealer, "__init__", keep_tokens)
+    monkeypatch.setattr(healing.LayerHealer, "_targets", keep_states)
+    options = HealOptions(output=str(tmp_path / "stream"), **{**HEAL, "heal_target": "stream"}, progress=False)
+    heal_folder(plain, options)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dense[0], dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        expected = dense(seen["input_ids"], output_hidden_states=True).hidden_states[1:-1]  # the last is normed
+    for layer, (states, wanted) in enumerate(zip(seen["states"], expected)):
+        torch.testing.assert_close(states, wanted, rtol=1e-4, atol=1e-5, msg=f"layer {layer}")
+    torch.testing.assert_close(seen["targets"], seen["mlp"], rtol=1e-5, atol=1e-6)
+    assert load_moe(tmp_path / "stream").config.conversion_info["healing"]["target"] == "stream"
+    assert "the dense model's hidden states after its layer" in (tmp_path / "stream" / "README.md").read_text()
+    distance = {
+        f: (logits(load_moe(f), tiny_dense[1]) - tiny_dense[2]).pow(2).mean() for f in (tmp_path / "stream", plain)
+    }
+    assert distance[tmp_path / "stream"] < distance[plain]
+
+    monkeypatch.setattr(healing.LayerHealer, "_targets", real_targets)
+    real_train = healing._train_block
+
+    def interrupt_at_layer_one(block, inputs, targets, settings, layer_idx):
+        if layer_idx == 1:
+            monkeypatch.setattr(healing, "_train_block", real_train)
+            raise KeyboardInterrupt
+        return real_train(block, inputs, targets, settings, layer_idx)
+
+    monkeypatch.setattr(healing, "_train_block", interrupt_at_layer_one)
+    options = HealOptions(output=str(tmp_path / "resumed"), **{**HEAL, "heal_target": "stream"}, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        heal_folder(plain, options)
+    heal_folder(plain, options)  # the dense states come back from the saved progress
+    assert_same_tensors(tmp_path / "resumed", tmp_path / "stream")
+
+
+def test_the_stream_target_is_the_default_except_with_attention_experts_where_it_is_one_line(
+    tiny_dense, tmp_path, capsys
+):
+    from llama_moe_hf import MoERecipe
+    from llama_moe_hf.conversion.plan import resolve_recipe
+
+    attention = dict(family="attn_moe", attn_experts=4, attn_top_k=2, mlp_moe=True)
+    assert resolve_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256)).heal_target == "stream"
+    recipe = MoERecipe.from_dict({**SPLIT_FIELDS, **attention, "heal_tokens": 256})
+    assert resolve_recipe(recipe).heal_target == "mlp"
+    split = ["--family", "attn_moe", "--attn-experts", "4", "--attn-top-k", "2", "--mlp-moe", "true", "--top-k", "2"]
+    command = ["convert", "--model", str(tiny_dense[0]), *split, "--num-experts", "4", "--heal-tokens", "256"]
+    assert main([*command, "--output", str(tmp_path / "a"), "--heal-target", "stream"]) == 2
+    assert "--heal-target stream needs the dense model's attention in every layer" in one_error_line(capsys)
+    assert not (tmp_path / "a").exists()
+    assert main([*command, "--heal-target", "everything", "--output", str(tmp_path / "b")]) == 2
+    assert "--heal-target must be stream or mlp" in one_error_line(capsys)

@@ -7,10 +7,11 @@ def register(subparsers) -> None:
     HealOptions._argument_group_name = "how to heal"
     parser = subparsers.add_parser(
         "heal",
-        help="train a converted model's MoE MLPs, layer after layer, to reproduce its dense model's MLP outputs",
+        help="train a converted model's MoE MLPs, layer after layer, to reproduce its dense model",
         description="Heal an MoE folder written by llama-moe convert: each MoE MLP (router, experts, shared experts, "
-        "compensation) is trained to reproduce the dense teacher's MLP output on calibration tokens passed through "
-        "the already-healed earlier layers. Written to a new folder, atomically; an interrupted run resumes at the "
+        "compensation) is trained, on calibration tokens passed through the already-healed earlier layers, to "
+        "reproduce the dense teacher's hidden states after its layer (--heal-target stream) or its MLP output "
+        "(mlp). Written to a new folder, atomically; an interrupted run resumes at the "
         "next layer when run again. `llama-moe convert --heal-tokens N` does the same while converting.",
         dataclass_types=[HealOptions],
     )

@@ -40,6 +40,7 @@ class HealOptions:
     heal_lr: float = _recipe_field("heal_lr")
     heal_batch_tokens: int = _recipe_field("heal_batch_tokens")
     heal_schedule: str = _recipe_field("heal_schedule")
+    heal_target: str = _recipe_field("heal_target")
     heal_routing_weight: float = _recipe_field("heal_routing_weight")
     device: str | None = field(default=None, metadata={"help": "device (default: cuda if available, else cpu)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder at the end"})
@@ -65,7 +66,8 @@ def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
     )
     from .plan import resolve_recipe
 
-    resolve_recipe(recipe)  # the heal settings checked like a conversion's
+    # The heal settings checked like a conversion's; the target's default depends on the family.
+    recipe = replace(recipe, heal_target=resolve_recipe(recipe).heal_target)
     state_dir = state_dir_for(output)
     _write(moe, teacher, recipe, run, options, output, state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -159,8 +161,7 @@ def _healed_tensors(moe, teacher, healer, progress: bool):
     for layer_idx in tqdm(range(moe.config.num_hidden_layers), desc="Healing layers", disable=not progress):
         prefix = f"model.layers.{layer_idx}."
         tensors = {n[len(prefix) :]: moe.tensor(n) for n in moe.layer_names(layer_idx)}
-        dense = {n: t for n, t in teacher.layer_tensors(layer_idx).items() if n.startswith("mlp.")}
-        for name, tensor in healer.heal(layer_idx, tensors, dense).items():
+        for name, tensor in healer.heal(layer_idx, tensors, teacher.layer_tensors(layer_idx)).items():
             yield prefix + name, tensor
 
 
@@ -171,9 +172,10 @@ def _write_card(folder: Path, tmp: Path, healing: dict) -> None:
     card = folder / "README.md"
     if not card.is_file():
         return
+    goal = "hidden states after its layer" if healing.get("target") == "stream" else "MLP output"
     section = (
         "## Healing\n\n"
-        f"Each MoE MLP was trained, layer after layer, to reproduce the dense model's MLP output on "
+        f"Each MoE MLP was trained, layer after layer, to reproduce the dense model's {goal} on "
         f"{healing['tokens']:,} calibration tokens passed through the already-healed earlier layers (`llama-moe heal`, "
         f"{healing['epochs']} epochs, Adam lr {healing['lr']}, routing weight {healing['routing_weight']}). "
         f"Mean relative MLP error: {healing.get('error_before', float('nan')):.3f} before, "

@@ -7,14 +7,20 @@ router, routed experts, shared experts and compensation) on calibration tokens, 
     for each layer i:
         a_i = h_i + attention_i(norm(h_i))                the converted model's attention (dense, or AttnMoE's)
         x_i = post_attention_norm(a_i)                    the MLP input the converted model really sees
-        train block_i to minimise  |block_i(x_i) - dense_mlp_i(x_i)|^2 / mean |dense_mlp_i(x_i)|^2
+        y_i = dense_mlp_i(x_i)                            target "mlp"
+            = d_{i+1} - a_i                               target "stream": d is the dense model's own states
+        train block_i to minimise  |block_i(x_i) - y_i|^2 / mean |y_i|^2
                                    + routing_weight * listwise(router_i(x_i), energy_i(x_i))
         h_{i+1} = a_i + block_i(x_i)
 
 so each layer learns on the inputs the already-healed earlier layers give it and errors do not pile up (sequential,
-as in layer-wise pruning). `energy_i[t, e] = |expert_e(x_t) - compensation_e|^2` is what token t loses when expert e
-is left out (G-MoEfication's deviation energy with the current weights): the routing term pulls the router's top-k
-towards the experts whose removal costs most (`gmoefication.selector_loss`, the selector's own objective).
+as in layer-wise pruning). The "stream" target goes further: each MLP learns to bring the hidden states back to the
+dense model's, undoing what the earlier layers (and the attention that read their states) left wrong; it needs the
+converted attention to be the dense one (the plan refuses it for attention experts).
+
+`energy_i[t, e] = |expert_e(x_t) - compensation_e|^2` is what token t loses when expert e is left out (G-MoEfication's
+deviation energy with the current weights): the routing term pulls the router's top-k towards the experts whose
+removal costs most (`gmoefication.selector_loss`, the selector's own objective).
 
 The block is trained as it runs in inference (top-k routing, no router noise) with Adam, the same seed per layer:
 the result is deterministic on CPU. One decoder layer is in memory at a time, next to the calibration states
@@ -47,12 +53,13 @@ class HealSettings:
     routing_weight: float
     seed: int
     schedule: str = "constant"
+    target: str = "stream"  # the recipe's, resolved by the plan
 
     @classmethod
     def from_recipe(cls, recipe) -> "HealSettings":
         r = recipe
         fields = (r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed)
-        return cls(*fields, r.heal_schedule)
+        return cls(*fields, r.heal_schedule, r.heal_target)
 
 
 class LayerHealer:
@@ -71,6 +78,7 @@ class LayerHealer:
         self.identity = identity  # what else the healed weights depend on (source, method...), for resuming
         positions = torch.arange(input_ids.shape[1], device=self.device)[None]
         self.hidden = F.embedding(input_ids.to(self.device), embed_weight.to(self.device, torch.float32))
+        self.dense_hidden = self.hidden.clone() if settings.target == "stream" else None  # the dense model's states
         rotary = rotary_class(config=self.config).to(self.device)
         self.position_embeddings = rotary(self.hidden[:1], positions)
         self.errors: dict[int, tuple[float, float]] = {}  # layer -> relative MLP error (before, after)
@@ -87,17 +95,17 @@ class LayerHealer:
             settings, model.config, layer_class, rotary_class, embed_weight, input_ids, device, state_dir, identity
         )
 
-    def heal(self, layer_idx: int, tensors: dict, dense_mlp: dict) -> dict:
-        """The layer's tensors (keyed under the layer) with its MoE MLP healed; the states moved past the layer."""
+    def heal(self, layer_idx: int, tensors: dict, dense: dict) -> dict:
+        """The layer's tensors (keyed under the layer) with its MoE MLP healed; the states moved past the layer.
+        dense: the source layer's tensors in LLaMA's layout (`mlp.*` only for the "mlp" target)."""
         if layer_idx <= self.done:
             return {**tensors, **_load_layer(self.state_dir, layer_idx)}
         layer = self._layer(layer_idx, tensors)
         with torch.no_grad():
-            attended = self._attend(layer)
+            attended = self._attend(layer, self.hidden)
             inputs = layer.post_attention_layernorm(attended).flatten(0, 1)  # [T, H]
+            targets = self._targets(layer, inputs, attended, dense)
         if _is_moe(layer.mlp):
-            with torch.no_grad():
-                targets = _swiglu(inputs, dense_mlp, self.config.hidden_act)
             before = _relative_error(layer.mlp, inputs, targets)
             start = {k: v.clone() for k, v in layer.mlp.state_dict().items()}
             _train_block(layer.mlp, inputs, targets, self.settings, layer_idx)
@@ -130,10 +138,20 @@ class LayerHealer:
         return layer.eval().requires_grad_(False)
 
     @torch.no_grad()
-    def _attend(self, layer) -> torch.Tensor:
+    def _targets(self, layer, inputs, attended, dense: dict) -> torch.Tensor:
+        """`[T, H]`: what the layer's MLP should add to `attended` (the settings' target); the dense states move on."""
+        if self.dense_hidden is None:
+            return _swiglu(inputs, dense, self.config.hidden_act)
+        dense_attended = self._attend(layer, self.dense_hidden)
+        dense_inputs = layer.post_attention_layernorm(dense_attended).flatten(0, 1)
+        self.dense_hidden = dense_attended + _swiglu(dense_inputs, dense, self.config.hidden_act).view_as(attended)
+        return (self.dense_hidden - attended).flatten(0, 1)
+
+    @torch.no_grad()
+    def _attend(self, layer, hidden: torch.Tensor) -> torch.Tensor:
         """`h + attention(norm(h))` for every calibration sequence (causal: the sequences hold no padding)."""
         outputs = []
-        for states in self.hidden.split(16):
+        for states in hidden.split(16):
             cos, sin = (t.expand(states.shape[0], -1, -1) for t in self.position_embeddings)
             normed = layer.input_layernorm(states)
             outputs.append(states + layer.self_attn(normed, position_embeddings=(cos, sin), attention_mask=None)[0])
@@ -158,7 +176,8 @@ class LayerHealer:
         state = json.loads(path.read_text()) if path.is_file() else {}
         if state.get("fingerprint") != self._key:
             return -1
-        self.hidden = load_file(self.state_dir / f"hidden_{state['layer']}.safetensors")["hidden"].to(self.device)
+        states = load_file(self.state_dir / f"hidden_{state['layer']}.safetensors", device=str(self.device))
+        self.hidden, self.dense_hidden = states["hidden"], states.get("dense")
         self.errors = {int(k): tuple(v) for k, v in state["errors"].items()}
         logger.info("Healing resumes after layer %d (%s).", state["layer"], self.state_dir)
         return state["layer"]
@@ -170,6 +189,8 @@ class LayerHealer:
 
         _atomic(self.state_dir / f"layer_{layer_idx}.safetensors", lambda p: save_file(healed, p))
         states = {"hidden": self.hidden.cpu()}
+        if self.dense_hidden is not None:
+            states["dense"] = self.dense_hidden.cpu()
         _atomic(self.state_dir / f"hidden_{layer_idx}.safetensors", lambda p: save_file(states, p))
         record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors}
         _atomic(self.state_dir / STATE_FILE, lambda p: Path(p).write_text(json.dumps(record)))

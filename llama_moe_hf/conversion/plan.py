@@ -39,12 +39,27 @@ def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None 
     if recipe.heal_tokens and not family.heals:
         raise ValueError(f"--heal-tokens does not apply to the {family.name} family (no top-k MoE MLPs to heal).")
     recipe = family.resolve(recipe, dense_config)
+    recipe = _resolve_heal_target(recipe, family)
     for kind in family.target_kinds(recipe):
         recipe = _resolve_target(recipe, family, kind, run)
     recipe = _resolve_options(recipe, family)
     if dense_config is not None:
         for kind in family.target_kinds(recipe):
             parse_moe_layers(family.parts[kind].settings(recipe).layers, dense_config.num_hidden_layers)
+    return recipe
+
+
+def _resolve_heal_target(recipe: MoERecipe, family) -> MoERecipe:
+    """The stream target runs the dense model's states through the converted layers' attention: the default where
+    only MLPs are converted, refused where the attention is too."""
+    mlp_only = family.target_kinds(recipe) == [MLP]
+    if recipe.heal_target is None:
+        return dataclasses.replace(recipe, heal_target="stream" if mlp_only else "mlp")
+    if recipe.heal_tokens and recipe.heal_target == "stream" and not mlp_only:
+        raise ValueError(
+            f"--heal-target stream needs the dense model's attention in every layer, which the {family.name} family "
+            "converts too: use --heal-target mlp."
+        )
     return recipe
 
 
@@ -105,6 +120,8 @@ def _check_healing(recipe: MoERecipe) -> None:
     schedules = ("constant", "cosine", "linear")
     if recipe.heal_schedule not in schedules:
         raise ValueError(f"--heal-schedule must be one of {', '.join(schedules)}, got {recipe.heal_schedule!r}.")
+    if recipe.heal_target not in (None, "stream", "mlp"):
+        raise ValueError(f"--heal-target must be stream or mlp, got {recipe.heal_target!r}.")
 
 
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:

@@ -70,8 +70,8 @@ class RecipeFields:
     heal_tokens: int = dataclasses.field(
         default=0,
         metadata={
-            "help": "heal each MoE MLP after it is built: train it on this many calibration tokens to reproduce the "
-            "dense MLP's output on the converted earlier layers' states (0: no healing; docs/construction.md)"
+            "help": "heal each MoE MLP after it is built: train it on this many calibration tokens, on the converted "
+            "earlier layers' states, to reproduce the dense model (--heal-target; 0: no healing; docs/construction.md)"
         },
     )
     heal_epochs: int = dataclasses.field(default=4, metadata={"help": "healing: passes over the heal tokens"})
@@ -80,6 +80,14 @@ class RecipeFields:
     heal_schedule: str = dataclasses.field(
         default="constant",
         metadata={"help": "healing: learning-rate schedule over each layer's steps: constant, cosine or linear"},
+    )
+    heal_target: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "healing: what each MoE MLP learns: stream (the dense model's hidden states after the layer: each "
+            "layer also undoes the earlier layers' drift) or mlp (the dense MLP's output on the converted model's "
+            "states); default stream, mlp where the attention is converted too"
+        },
     )
     heal_routing_weight: float = dataclasses.field(
         default=0.1,
