@@ -18,6 +18,12 @@ SPLIT = dict(SPLIT_FIELDS, eval=False)
 HEAL = dict(heal_tokens=1024, heal_epochs=2, heal_target="mlp")  # the stream target (the default) has its own tests
 
 
+def distance_to_dense(folder, tiny_dense):
+    """Mean squared difference of the folder's logits from the dense model's on the fixture's tokens."""
+    _, input_ids, dense_logits = tiny_dense
+    return (logits(load_moe(folder), input_ids) - dense_logits).pow(2).mean()
+
+
 def tensors(folder):
     from safetensors.torch import load_file
 
@@ -40,15 +46,10 @@ def healed(tmp_path_factory, tiny_dense):
 
 def test_healing_brings_the_mlps_and_the_logits_closer_to_the_dense_model(healed, tiny_dense):
     _, plain, result = healed
-    _, input_ids, dense_logits = tiny_dense
     report = load_moe(result.output_dir).config.conversion_info["healing"]
     assert report["error_after"] < 0.5 * report["error_before"]
     assert report["tokens"] == 1024 and report["epochs"] == 2 and report["kept_layers"] == []
-
-    def distance(folder):
-        return (logits(load_moe(folder), input_ids) - dense_logits).pow(2).mean()
-
-    assert distance(result.output_dir) < 0.8 * distance(plain)
+    assert distance_to_dense(result.output_dir, tiny_dense) < 0.8 * distance_to_dense(plain, tiny_dense)
     assert not list(result.output_dir.parent.glob(".*healing"))  # the progress kept for a resume is gone
 
 
@@ -202,10 +203,7 @@ def test_the_stream_target_carries_the_dense_models_own_states_and_resumes_the_s
     torch.testing.assert_close(seen["targets"], seen["mlp"], rtol=1e-5, atol=1e-6)
     assert load_moe(tmp_path / "stream").config.conversion_info["healing"]["target"] == "stream"
     assert "the dense model's hidden states after its layer" in (tmp_path / "stream" / "README.md").read_text()
-    distance = {
-        f: (logits(load_moe(f), tiny_dense[1]) - tiny_dense[2]).pow(2).mean() for f in (tmp_path / "stream", plain)
-    }
-    assert distance[tmp_path / "stream"] < distance[plain]
+    assert distance_to_dense(tmp_path / "stream", tiny_dense) < distance_to_dense(plain, tiny_dense)
 
     monkeypatch.setattr(healing.LayerHealer, "_targets", real_targets)
     real_train = healing._train_block

@@ -139,9 +139,10 @@ class LayerHealer:
 
     @torch.no_grad()
     def _targets(self, layer, inputs, attended, dense: dict) -> torch.Tensor:
-        """`[T, H]`: what the layer's MLP should add to `attended` (the settings' target); the dense states move on."""
+        """`[T, H]`: what the layer's MLP should add to `attended` (the settings' target; None for a dense MLP under the
+        mlp target, which has nothing to learn); the dense states move on."""
         if self.dense_hidden is None:
-            return _swiglu(inputs, dense, self.config.hidden_act)
+            return _swiglu(inputs, dense, self.config.hidden_act) if _is_moe(layer.mlp) else None
         dense_attended = self._attend(layer, self.dense_hidden)
         dense_inputs = layer.post_attention_layernorm(dense_attended).flatten(0, 1)
         self.dense_hidden = dense_attended + _swiglu(dense_inputs, dense, self.config.hidden_act).view_as(attended)
