@@ -24,6 +24,21 @@ def distance_to_dense(folder, tiny_dense):
     return (logits(load_moe(folder), input_ids) - dense_logits).pow(2).mean()
 
 
+def interrupt_the_first_training_of_layer_one(monkeypatch) -> list[int]:
+    """Make healing stop (KeyboardInterrupt) the first time it trains layer 1; returns the layers it trains, in order,
+    the interrupted one included."""
+    trained, real_train = [], healing._train_block
+
+    def train(block, inputs, targets, settings, layer_idx):
+        trained.append(layer_idx)
+        if layer_idx == 1 and trained.count(1) == 1:
+            raise KeyboardInterrupt
+        return real_train(block, inputs, targets, settings, layer_idx)
+
+    monkeypatch.setattr(healing, "_train_block", train)
+    return trained
+
+
 def tensors(folder):
     from safetensors.torch import load_file
 
@@ -68,16 +83,7 @@ def test_converting_and_healing_in_one_run_or_two_give_the_same_weights(healed, 
 
 def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed, tmp_path, monkeypatch):
     _, plain, result = healed
-    trained, real_train = [], healing._train_block
-
-    def interrupt_at_layer_one(block, inputs, targets, settings, layer_idx):
-        if layer_idx == 1 and not trained.count(1):
-            trained.append(1)
-            raise KeyboardInterrupt
-        trained.append(layer_idx)
-        return real_train(block, inputs, targets, settings, layer_idx)
-
-    monkeypatch.setattr(healing, "_train_block", interrupt_at_layer_one)
+    trained = interrupt_the_first_training_of_layer_one(monkeypatch)
     options = HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False)
     with pytest.raises(KeyboardInterrupt):
         heal_folder(plain, options)
@@ -94,15 +100,7 @@ def test_an_interrupted_convert_resumes_even_in_a_folder_it_created_and_never_fr
     """The progress lives beside the output, so the parent folders the convert created stay while it is there; a
     conversion with other settings (here another seed) into the same output starts over."""
     _, _, result = healed
-    trained, real_train = [], healing._train_block
-
-    def record(block, inputs, targets, settings, layer_idx):
-        trained.append(layer_idx)
-        if layer_idx == 1 and trained.count(1) == 1:
-            raise KeyboardInterrupt
-        return real_train(block, inputs, targets, settings, layer_idx)
-
-    monkeypatch.setattr(healing, "_train_block", record)
+    trained = interrupt_the_first_training_of_layer_one(monkeypatch)
     output = tmp_path / "new" / "parent" / "out"
     with pytest.raises(KeyboardInterrupt):
         convert_to_moe(tiny_dense[0], output, progress=False, **{**SPLIT, "seed": 1}, **HEAL)
@@ -206,15 +204,7 @@ def test_the_stream_target_carries_the_dense_models_own_states_and_resumes_the_s
     assert distance_to_dense(tmp_path / "stream", tiny_dense) < distance_to_dense(plain, tiny_dense)
 
     monkeypatch.setattr(healing.LayerHealer, "_targets", real_targets)
-    real_train = healing._train_block
-
-    def interrupt_at_layer_one(block, inputs, targets, settings, layer_idx):
-        if layer_idx == 1:
-            monkeypatch.setattr(healing, "_train_block", real_train)
-            raise KeyboardInterrupt
-        return real_train(block, inputs, targets, settings, layer_idx)
-
-    monkeypatch.setattr(healing, "_train_block", interrupt_at_layer_one)
+    interrupt_the_first_training_of_layer_one(monkeypatch)
     options = HealOptions(output=str(tmp_path / "resumed"), **{**HEAL, "heal_target": "stream"}, progress=False)
     with pytest.raises(KeyboardInterrupt):
         heal_folder(plain, options)
