@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers import load_moe, logits, one_error_line, tiny_llama
 
-from llama_moe_hf import convert_to_moe
+from llama_moe_hf import MoERecipe, convert_to_moe
 from llama_moe_hf.commands import main
 from llama_moe_hf.conversion import healing
 from llama_moe_hf.conversion.heal import HealOptions, heal_folder
+from llama_moe_hf.conversion.plan import resolve_recipe
 
 SPLIT_FIELDS = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
 SPLIT = dict(SPLIT_FIELDS, eval=False)
@@ -141,7 +142,9 @@ def test_bad_healing_settings_and_teachers_are_one_line(healed, tmp_path, capsys
     assert "--heal-tokens does not apply to the soap_moe family" in one_error_line(capsys)
     schedule = ["convert", "--model", str(root / "plain"), "--output", str(tmp_path / "x"), "--heal-tokens", "512"]
     assert main([*schedule, "--heal-schedule", "warmup"]) == 2
-    assert "--heal-schedule must be one of constant, cosine, linear" in one_error_line(capsys)
+    assert "invalid choice: 'warmup' (choose from 'constant', 'cosine', 'linear')" in one_error_line(capsys)
+    with pytest.raises(ValueError, match="--heal-schedule must be one of constant, cosine, linear"):  # a recipe file
+        resolve_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256, heal_schedule="warmup"))
     tiny_llama(num_hidden_layers=3).save_pretrained(tmp_path / "other")  # not the dense model of this MoE
     capsys.readouterr()
     assert main(["heal", str(plain), "--output", str(tmp_path / "y"), "--teacher", str(tmp_path / "other")]) == 2
@@ -215,11 +218,10 @@ def test_the_stream_target_carries_the_dense_models_own_states_and_resumes_the_s
 def test_the_stream_target_is_the_default_except_with_attention_experts_where_it_is_one_line(
     tiny_dense, tmp_path, capsys
 ):
-    from llama_moe_hf import MoERecipe
-    from llama_moe_hf.conversion.plan import resolve_recipe
-
     attention = dict(family="attn_moe", attn_experts=4, attn_top_k=2, mlp_moe=True)
     assert resolve_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256)).heal_target == "stream"
+    with pytest.raises(ValueError, match="pass the recipe through resolve_recipe first"):  # no silent mlp target
+        healing.HealSettings.from_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256))
     recipe = MoERecipe.from_dict({**SPLIT_FIELDS, **attention, "heal_tokens": 256})
     assert resolve_recipe(recipe).heal_target == "mlp"
     split = ["--family", "attn_moe", "--attn-experts", "4", "--attn-top-k", "2", "--mlp-moe", "true", "--top-k", "2"]
@@ -228,4 +230,6 @@ def test_the_stream_target_is_the_default_except_with_attention_experts_where_it
     assert "--heal-target stream needs the dense model's attention in every layer" in one_error_line(capsys)
     assert not (tmp_path / "a").exists()
     assert main([*command, "--heal-target", "everything", "--output", str(tmp_path / "b")]) == 2
-    assert "--heal-target must be stream or mlp" in one_error_line(capsys)
+    assert "invalid choice: 'everything' (choose from 'stream', 'mlp')" in one_error_line(capsys)
+    with pytest.raises(ValueError, match="--heal-target must be one of stream, mlp"):
+        resolve_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256, heal_target="everything"))

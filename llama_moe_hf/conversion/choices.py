@@ -10,6 +10,8 @@ from pathlib import Path
 
 CLUSTER_ON = ("gate", "up", "both", "activations")  # what --method cluster clusters
 SELECTOR_OBJECTIVES = ("listwise", "bce")  # the selector router's training loss
+HEAL_SCHEDULES = ("constant", "cosine", "linear")  # healing's learning rate over each layer's steps
+HEAL_TARGETS = ("stream", "mlp")  # what healing trains each MoE MLP to reproduce
 
 
 def _model_constant(file: str, name: str) -> tuple[str, ...]:

@@ -52,12 +52,14 @@ class HealSettings:
     batch_tokens: int
     routing_weight: float
     seed: int
-    schedule: str = "constant"
-    target: str = "stream"  # the recipe's, resolved by the plan
+    schedule: str
+    target: str  # "stream" or "mlp": the recipe's, after `resolve_recipe` chose it for the family
 
     @classmethod
     def from_recipe(cls, recipe) -> "HealSettings":
         r = recipe
+        if r.heal_target is None:
+            raise ValueError("The recipe's heal_target is unset: pass the recipe through resolve_recipe first.")
         fields = (r.heal_tokens, r.heal_epochs, r.heal_lr, r.heal_batch_tokens, r.heal_routing_weight, r.seed)
         return cls(*fields, r.heal_schedule, r.heal_target)
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 
 from .calibration import data_path
-from .choices import ROUTER_TYPES
+from .choices import HEAL_SCHEDULES, HEAL_TARGETS, ROUTER_TYPES
 from .layer_patterns import layer_terms, parse_moe_layers
 from .recipe import MoERecipe, RunOptions, check_types
 from .registry import FAMILIES, METHODS, ROUTER_INITS, component_options, option_fields, option_owner
@@ -117,11 +117,10 @@ def _check_healing(recipe: MoERecipe) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
     if recipe.heal_lr <= 0 or recipe.heal_routing_weight < 0:
         raise ValueError("--heal-lr must be > 0 and --heal-routing-weight >= 0.")
-    schedules = ("constant", "cosine", "linear")
-    if recipe.heal_schedule not in schedules:
-        raise ValueError(f"--heal-schedule must be one of {', '.join(schedules)}, got {recipe.heal_schedule!r}.")
-    if recipe.heal_target not in (None, "stream", "mlp"):
-        raise ValueError(f"--heal-target must be stream or mlp, got {recipe.heal_target!r}.")
+    if recipe.heal_schedule not in HEAL_SCHEDULES:
+        raise ValueError(f"--heal-schedule must be one of {', '.join(HEAL_SCHEDULES)}, got {recipe.heal_schedule!r}.")
+    if recipe.heal_target is not None and recipe.heal_target not in HEAL_TARGETS:  # None: chosen later
+        raise ValueError(f"--heal-target must be one of {', '.join(HEAL_TARGETS)}, got {recipe.heal_target!r}.")
 
 
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:

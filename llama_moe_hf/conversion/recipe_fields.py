@@ -3,6 +3,8 @@ recipe (`recipe.MoERecipe`) and by the model families, whose MLP settings they a
 
 import dataclasses
 
+from .choices import HEAL_SCHEDULES, HEAL_TARGETS
+
 
 @dataclasses.dataclass(frozen=True)
 class RecipeFields:
@@ -79,14 +81,15 @@ class RecipeFields:
     heal_batch_tokens: int = dataclasses.field(default=512, metadata={"help": "healing: tokens per step"})
     heal_schedule: str = dataclasses.field(
         default="constant",
-        metadata={"help": "healing: learning-rate schedule over each layer's steps: constant, cosine or linear"},
+        metadata={"help": "healing: learning-rate schedule over each layer's steps", "choices": HEAL_SCHEDULES},
     )
     heal_target: str | None = dataclasses.field(
         default=None,
         metadata={
             "help": "healing: what each MoE MLP learns: stream (the dense model's hidden states after the layer: each "
             "layer also undoes the earlier layers' drift) or mlp (the dense MLP's output on the converted model's "
-            "states); default stream, mlp where the attention is converted too"
+            "states); default stream, mlp where the attention is converted too",
+            "choices": HEAL_TARGETS,
         },
     )
     heal_routing_weight: float = dataclasses.field(
