@@ -188,9 +188,9 @@ def test_continual_pretraining_recipe_distils_and_records_the_teacher(pair, tmp_
 
     (stage,) = json.loads((outcome.output / HISTORY_FILE).read_text())
     assert stage["steps"] == 3 and stage["tokens"] == 3 * 4 * 32
-    assert stage["distillation"] == {"teacher": "dense", "alpha": 0.5, "temperature": 2.0, "top_k": 16}
+    assert stage["distillation"] == {"teacher": "dense", "alpha": 0.5, "temperature": 1.0, "top_k": 16}
     card = (outcome.output / "README.md").read_text()
-    assert "Stage 1 distilled from `dense` (alpha 0.5, temperature 2.0, top_k 16)." in card
+    assert "Stage 1 distilled from `dense` (alpha 0.5, temperature 1.0, top_k 16)." in card
     assert str(tmp_path) not in card
     names = {path.name for path in outcome.output.iterdir()}
     assert {"model.safetensors", "config.json", "modeling_llama_moe.py", "tokenizer.json", "moe_recipe.yaml"} <= names

@@ -72,9 +72,7 @@ class ContinualPretrainArguments:
         default=0.0,
         metadata={"help": "weight of the KL term: (1 - alpha) * LM + alpha * T^2 * KL + router loss (0: no teacher)"},
     )
-    distill_temperature: float = field(
-        default=2.0, metadata={"help": "softmax temperature T of the KL term (2: best measured, docs/quality.md)"}
-    )
+    distill_temperature: float = field(default=1.0, metadata={"help": "softmax temperature T of the KL term"})
     distill_top_k: int | None = field(
         default=None,
         metadata={"help": "KL over the teacher's top k tokens plus one bucket for the rest (default: all tokens)"},
