@@ -21,6 +21,7 @@ from helpers import (
     tiny_moe,
     token_batch,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from llama_moe_hf import convert_to_moe
@@ -176,18 +177,23 @@ def _domain_files(tmp_path: Path, real_text) -> tuple[str, str]:
     return str(paths[0]), str(paths[1])
 
 
-def test_continual_pretraining_recipe_distils_and_records_the_teacher(pair, tmp_path, real_text):
-    dense, moe = pair
+def _distill_recipe(moe: Path, tmp_path: Path, real_text, *flags: str):
+    """Three steps of recipes/pretrain/distill.yaml on real prose; the recipe's outcome."""
     train, test = _domain_files(tmp_path, real_text)
     argv = ["--config", str(RECIPES / "pretrain/distill.yaml"), "--model_name_or_path", str(moe)]
     argv += ["--output_dir", str(tmp_path / "out"), "--domains", f"prose={train}", "--domain_weights", "prose=1"]
     argv += ["--held_out", f"prose={test}", "--seq_len", "32", "--eval_blocks", "2", "--max_steps", "3"]
-    argv += ["--warmup_steps", "1", "--eval_steps", "3", "--logging_steps", "1", "--distill_top_k", "16"]
+    argv += ["--warmup_steps", "1", "--eval_steps", "3", "--logging_steps", "1", "--disable_tqdm", "true"]
     argv += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--use_cpu", "true"]
-    outcome = runpy.run_path(str(RECIPES / "continual_pretrain.py"))["main"](argv + ["--disable_tqdm", "true"])
+    return runpy.run_path(str(RECIPES / "continual_pretrain.py"))["main"](argv + list(flags))
+
+
+def test_continual_pretraining_recipe_distils_and_records_the_teacher(pair, tmp_path, real_text):
+    dense, moe = pair
+    outcome = _distill_recipe(moe, tmp_path, real_text, "--distill_top_k", "16")
 
     (stage,) = json.loads((outcome.output / HISTORY_FILE).read_text())
-    assert stage["steps"] == 3 and stage["tokens"] == 3 * 4 * 32
+    assert stage["steps"] == 3 and stage["tokens"] == 3 * 4 * 32 and stage["trained"] == "all"
     assert stage["distillation"] == {"teacher": "dense", "alpha": 0.5, "temperature": 1.0, "top_k": 16}
     card = (outcome.output / "README.md").read_text()
     assert "Stage 1 distilled from `dense` (alpha 0.5, temperature 1.0, top_k 16)." in card
@@ -201,6 +207,19 @@ def test_continual_pretraining_recipe_distils_and_records_the_teacher(pair, tmp_
         torch.testing.assert_close(reloaded(ids).logits, outcome.model.eval()(ids).logits)
     # The carried recipe makes the trained folder name the same default teacher for a next stage.
     assert recorded_source(str(outcome.output)) == str(dense.resolve())
+
+
+def test_train_moe_only_keeps_every_other_weight_as_converted(pair, tmp_path, real_text):
+    _, moe = pair
+    outcome = _distill_recipe(moe, tmp_path, real_text, "--train_moe_only", "true")
+
+    (stage,) = json.loads((outcome.output / HISTORY_FILE).read_text())
+    assert stage["trained"] == "moe-blocks"
+    before, after = load_file(moe / "model.safetensors"), load_file(outcome.output / "model.safetensors")
+    assert before.keys() == after.keys()
+    moe_keys = {key for key in before if ".mlp." in key}
+    assert moe_keys and all(torch.equal(before[key], after[key]) for key in before.keys() - moe_keys)
+    assert all(not torch.equal(before[key], after[key]) for key in moe_keys if key.endswith(("_proj", "gate.weight")))
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import char_tokenizer, tiny_llama
+from helpers import FAMILY_FIELDS, char_tokenizer, tiny_family_model, tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.initialization import no_init_weights
 
 from llama_moe_hf import LlamaMoEForCausalLM, build_moe
+from llama_moe_hf.training.freezing import train_moe_only
 
 pytestmark = pytest.mark.slow
 
@@ -185,3 +186,15 @@ def test_two_process_cpu_ddp_keeps_ranks_identical(tmp_path):
         assert torch.equal(ranks[0][name], ranks[1][name]), name
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"):
         assert not torch.equal(ranks[0][name], initial[name]), name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FIELDS))
+def test_train_moe_only_trains_exactly_the_moe_blocks(family):
+    model = tiny_family_model(family)
+    moe_parts = (".mlp.", ".self_attn.") if family == "attn_moe" else (".mlp.",)  # every layer is converted
+    expected = {name for name, _ in model.named_parameters() if any(part in name for part in moe_parts)}
+    trained = train_moe_only(model)
+    assert {name for name, parameter in model.named_parameters() if parameter.requires_grad} == expected
+    assert trained == sum(parameter.numel() for name, parameter in model.named_parameters() if name in expected)
+    with pytest.raises(ValueError, match="has no MoE blocks"):
+        train_moe_only(tiny_llama())

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
+from .freezing import train_moe_only
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
     DomainMixture,
@@ -61,6 +62,13 @@ class ContinualPretrainArguments:
     seq_len: int = field(default=1024, metadata={"help": "tokens per training block"})
     text_column: str | None = field(default=None, metadata={"help": "text field of JSON/parquet rows"})
     router_aux_loss_coef: float = field(default=0.01, metadata={"help": "weight of the load-balancing loss"})
+    train_moe_only: bool = field(
+        default=False,
+        metadata={
+            "help": "train only the MoE blocks (experts, routers, shared experts, compensation); attention, norms, "
+            "embeddings and the LM head keep the source model's weights"
+        },
+    )
     teacher_model_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -144,6 +152,8 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
     if output_router_logits is not None:  # an MoE: train with the balance loss
         model.config.router_aux_loss_coef = args.router_aux_loss_coef
         model.config.output_router_logits = args.router_aux_loss_coef > 0
+    if args.train_moe_only:
+        logger.info("Training the MoE blocks only: %d parameters.", train_moe_only(model))
     mixture = DomainMixture(domains, weights, seed=training.seed)
     checkpoint = resume_checkpoint(training, start_over=args.overwrite_output_dir)
     if checkpoint is not None:
@@ -227,6 +237,7 @@ def _stage(trainer, args: ContinualPretrainArguments, mixture: DomainMixture, re
         final_domain_weights=mixture.weights.as_dict(),
         seq_len=args.seq_len,
         eval_blocks=args.eval_blocks,
+        trained="moe-blocks" if args.train_moe_only else "all",
         distillation=_distillation_record(args, teacher),
         results=results,
     )

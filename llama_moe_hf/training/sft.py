@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
+from .freezing import freeze_routers
 from .lora import ADAPTER_FOLDER, is_peft_model, lora_config, save_adapter_and_merge
 from .resume import ResumableCheckpointsMixin, resume_checkpoint
 
@@ -65,19 +66,6 @@ class MoESFTArguments:
         default=False,
         metadata={"help": "with use_peft: train the routers in full (saved with the adapter) instead of freezing them"},
     )
-
-
-def freeze_routers(model) -> int:
-    """Stop training the routers (every module whose class name ends in "Router"); returns the parameters frozen."""
-    frozen = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("Router"):
-            for parameter in module.parameters():
-                parameter.requires_grad_(False)
-                frozen += parameter.numel()
-    if not frozen:
-        raise ValueError(f"freeze_routers: {type(model).__name__} has no router modules.")
-    return frozen
 
 
 def dataset_name(path: str, data_files=None) -> str:
