@@ -151,7 +151,9 @@ def _stage_row(number: int, stage: dict) -> str:
     if "sampling" in stage:
         data += f"; {stage['sampling']} sampling"
     amount = f"{stage['tokens']:,} tokens" if "tokens" in stage else f"{stage.get('examples', 0):,} examples"
-    schedule = f"{stage['learning_rate']:g}, {stage['lr_scheduler_type']}, warm-up {stage['warmup']:g}"
+    kwargs = ", ".join(f"{name} {value}" for name, value in stage.get("lr_scheduler_kwargs", {}).items())
+    scheduler = f"{stage['lr_scheduler_type']} ({kwargs})" if kwargs else stage["lr_scheduler_type"]
+    schedule = f"{stage['learning_rate']:g}, {scheduler}, warm-up {stage['warmup']:g}"
     return (
         f"| {number} | {stage['recipe']} | {data} | {stage['steps']} | {amount} | {schedule} | {stage['world_size']} |"
     )
@@ -187,6 +189,7 @@ def stage_record(trainer, recipe: str, data: dict[str, float], source: str, **ex
         "steps": trainer.state.global_step,
         "learning_rate": args.learning_rate,
         "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "lr_scheduler_kwargs": dict(args.lr_scheduler_kwargs or {}),  # e.g. min_lr_rate: where the decay ends
         "warmup": args.warmup_steps,  # steps, or a ratio of them when < 1
         "world_size": args.world_size,
         **extra,
