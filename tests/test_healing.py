@@ -233,3 +233,27 @@ def test_the_stream_target_is_the_default_except_with_attention_experts_where_it
     assert "invalid choice: 'everything' (choose from 'stream', 'mlp')" in one_error_line(capsys)
     with pytest.raises(ValueError, match="--heal-target must be one of stream, mlp"):
         resolve_recipe(MoERecipe(**SPLIT_FIELDS, heal_tokens=256, heal_target="everything"))
+
+
+def test_the_presets_healing_gives_the_same_weights_converting_or_healing_later(tiny_dense, tmp_path):
+    """What `--preset sparse-25` runs (residual split, selector, compensation, stream target) heals the same while
+    converting as `llama-moe heal` does on the training-free folder afterwards."""
+    fields = dict(
+        method="residual",
+        num_experts=3,
+        num_shared_experts=1,
+        top_k=1,
+        router_init="selector",
+        compensation=True,
+        calibration_tokens=1024,
+        eval=False,
+        progress=False,
+    )
+    # at the default rate, 4 steps overshoot on this tiny model and every layer keeps its built weights
+    heal = dict(heal_tokens=1024, heal_epochs=2, heal_lr=3e-4, heal_target="stream")
+    plain = convert_to_moe(tiny_dense[0], tmp_path / "plain", **fields).output_dir
+    at_once = convert_to_moe(tiny_dense[0], tmp_path / "at_once", **fields, **heal).output_dir
+    heal_folder(plain, HealOptions(output=str(tmp_path / "later"), **heal, progress=False))
+    assert_same_tensors(tmp_path / "later", at_once)
+    before, after = tensors(plain), tensors(at_once)
+    assert any(not torch.equal(before[name], after[name]) for name in before)  # healing changed the experts
