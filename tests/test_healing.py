@@ -65,6 +65,7 @@ def test_healing_brings_the_mlps_and_the_logits_closer_to_the_dense_model(healed
     report = load_moe(result.output_dir).config.conversion_info["healing"]
     assert report["error_after"] < 0.5 * report["error_before"]
     assert report["tokens"] == 1024 and report["epochs"] == 2 and report["kept_layers"] == []
+    assert report["device"] == "cpu" and report["threads"] == torch.get_num_threads()  # they decide the bytes too
     assert distance_to_dense(result.output_dir, tiny_dense) < 0.8 * distance_to_dense(plain, tiny_dense)
     assert not list(result.output_dir.parent.glob(".*healing"))  # the progress kept for a resume is gone
 

@@ -126,7 +126,9 @@ class LayerHealer:
     def info(self) -> dict:
         """What healing did: its settings, the mean relative MLP error before and after it, and the layers that kept
         their weights because training made them worse (their error is unchanged)."""
-        info = {"healing": asdict(self.settings)}
+        # Sums split over another thread count or device round differently, and training grows that last bit (0.27 at
+        # most in SmolLM2's weights, 1 thread against 2), so the run's own decide the bytes as much as the settings.
+        info = {"healing": {**asdict(self.settings), "device": str(self.device), "threads": torch.get_num_threads()}}
         if self.errors:
             before, after = zip(*self.errors.values())
             info["healing"].update(error_before=round(sum(before) / len(before), 4))
