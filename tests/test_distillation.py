@@ -222,6 +222,20 @@ def test_train_moe_only_keeps_every_other_weight_as_converted(pair, tmp_path, re
     assert all(not torch.equal(before[key], after[key]) for key in moe_keys if key.endswith(("_proj", "gate.weight")))
 
 
+def test_train_moe_only_on_a_dense_model_is_one_error_line_before_it_loads(pair, tmp_path, capsys, monkeypatch):
+    dense, _ = pair
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", loaded)
+    argv = ["--config", str(RECIPES / "pretrain/distill.yaml"), "--model_name_or_path", str(dense)]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--train_moe_only", "true"]
+    argv += ["--teacher_model_name_or_path", "none"]
+    assert run_recipe("continual_pretrain.py", argv) == 2
+    assert "train_moe_only: " in one_error_line(capsys) and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "script, config",
     [

@@ -96,6 +96,19 @@ def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed,
     assert not (tmp_path / ".out.healing").exists()
 
 
+def test_a_heal_resumed_under_another_thread_count_records_each_layers(healed, tmp_path, monkeypatch):
+    _, plain, _ = healed
+    interrupt_the_first_training_of_layer_one(monkeypatch)
+    threads = torch.get_num_threads()
+    with monkeypatch.context() as first_run:
+        first_run.setattr(healing.torch, "get_num_threads", lambda: threads + 1)
+        with pytest.raises(KeyboardInterrupt):
+            heal_folder(plain, HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False))
+    heal_folder(plain, HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False))
+    report = json.loads((tmp_path / "out" / "config.json").read_text())["conversion_info"]["healing"]
+    assert report["threads"] == [threads + 1, threads] and report["device"] == "cpu"  # layer 0 ran first
+
+
 def test_an_interrupted_convert_resumes_even_in_a_folder_it_created_and_never_from_another_conversion(
     healed, tiny_dense, tmp_path, monkeypatch
 ):

@@ -84,6 +84,7 @@ class LayerHealer:
         rotary = rotary_class(config=self.config).to(self.device)
         self.position_embeddings = rotary(self.hidden[:1], positions)
         self.errors: dict[int, tuple[float, float]] = {}  # layer -> relative MLP error (before, after)
+        self.runs: dict[int, tuple[str, int]] = {}  # layer -> (device, threads) it was healed under
         self.done = self._resume(input_ids) if self.state_dir is not None else -1
 
     @classmethod
@@ -103,6 +104,7 @@ class LayerHealer:
         if layer_idx <= self.done:
             return {**tensors, **_load_layer(self.state_dir, layer_idx)}
         layer = self._layer(layer_idx, tensors)
+        self.runs[layer_idx] = (str(self.device), torch.get_num_threads())
         with torch.no_grad():
             attended = self._attend(layer, self.hidden)
             inputs = layer.post_attention_layernorm(attended).flatten(0, 1)  # [T, H]
@@ -128,7 +130,11 @@ class LayerHealer:
         their weights because training made them worse (their error is unchanged)."""
         # Sums split over another thread count or device round differently, and training grows that last bit (0.27 at
         # most in SmolLM2's weights, 1 thread against 2), so the run's own decide the bytes as much as the settings.
-        info = {"healing": {**asdict(self.settings), "device": str(self.device), "threads": torch.get_num_threads()}}
+        # A resumed run may have healed its first layers under others: then each is listed per layer.
+        runs = [self.runs[layer] for layer in sorted(self.runs)] or [(str(self.device), torch.get_num_threads())]
+        info = {"healing": asdict(self.settings)}
+        for name, values in zip(("device", "threads"), zip(*runs)):
+            info["healing"][name] = values[0] if len(set(values)) == 1 else list(values)
         if self.errors:
             before, after = zip(*self.errors.values())
             info["healing"].update(error_before=round(sum(before) / len(before), 4))
@@ -184,6 +190,7 @@ class LayerHealer:
         states = load_file(self.state_dir / f"hidden_{state['layer']}.safetensors", device=str(self.device))
         self.hidden, self.dense_hidden = states["hidden"], states.get("dense")
         self.errors = {int(k): tuple(v) for k, v in state["errors"].items()}
+        self.runs = {int(k): tuple(v) for k, v in state.get("runs", {}).items()}
         logger.info("Healing resumes after layer %d (%s).", state["layer"], self.state_dir)
         return state["layer"]
 
@@ -197,7 +204,7 @@ class LayerHealer:
         if self.dense_hidden is not None:
             states["dense"] = self.dense_hidden.cpu()
         _atomic(self.state_dir / f"hidden_{layer_idx}.safetensors", lambda p: save_file(states, p))
-        record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors}
+        record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors, "runs": self.runs}
         _atomic(self.state_dir / STATE_FILE, lambda p: Path(p).write_text(json.dumps(record)))
         (self.state_dir / f"hidden_{layer_idx - 1}.safetensors").unlink(missing_ok=True)
 

@@ -256,6 +256,22 @@ def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> Non
             "once and pass them as --reference_losses NAME=LOSS ..."
         )
     _check_distillation(args)
+    _check_moe_only(args)
+
+
+def _check_moe_only(args: ContinualPretrainArguments) -> None:
+    """`train_moe_only` on a model of none of our families, refused from its config before anything loads."""
+    if not args.train_moe_only or not args.model_name_or_path:
+        return
+    from ..conversion.registry import FAMILIES
+    from ..loading import model_folder
+
+    model_type = json.loads((model_folder(args.model_name_or_path) / "config.json").read_text()).get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"train_moe_only: {args.model_name_or_path} is a {model_type} model, not one of {', '.join(FAMILIES)}: "
+            "it has no MoE blocks to train (convert it first, or drop --train_moe_only)."
+        )
 
 
 def _check_distillation(args: ContinualPretrainArguments) -> None:
