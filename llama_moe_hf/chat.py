@@ -20,8 +20,10 @@ def chat(
     from transformers import TextStreamer
 
     from .loading import load_model
+    from .onednn import use_onednn_lm_head
 
     loaded, tokenizer, folder = load_model(model, dtype=dtype, device=device, download=download)
+    use_onednn_lm_head(loaded)  # batch-1 decoding on CPU in float32: the LM head on every thread
     if tokenizer.chat_template is None:
         raise ValueError(f"The tokenizer in {folder} has no chat template; `chat` needs an instruct model.")
     messages = [{"role": "user", "content": prompt}]

@@ -1,0 +1,62 @@
+"""The oneDNN LM head for CPU decoding (`llama_moe_hf.onednn`): the same logits and greedy tokens as the plain head for
+dense and MoE models, the parameters, their tying and the state dict untouched, updates to the weight followed, and
+the plain `F.linear` wherever oneDNN does not apply (autograd, another dtype)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_moe, token_batch
+
+from llama_moe_hf import build_moe
+from llama_moe_hf.onednn import onednn_available, restore_lm_head, use_onednn_lm_head
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_moe], ids=["dense", "moe"])
+def test_the_onednn_head_gives_the_plain_logits_and_leaves_the_parameters_alone(make):
+    model = make(tie_word_embeddings=True) if make is tiny_llama else make()
+    ids = token_batch()
+    with torch.no_grad():
+        plain = model(ids).logits
+    keys = list(model.state_dict())
+    assert use_onednn_lm_head(model)
+    with torch.no_grad():
+        fast = model(ids).logits
+    head = model.get_output_embeddings()
+    assert "_onednn_weight" in head.__dict__  # the fast path ran
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    assert list(model.state_dict()) == keys and isinstance(head.weight, torch.nn.Parameter)
+    if model.config.tie_word_embeddings:
+        assert head.weight is model.get_input_embeddings().weight
+    restore_lm_head(model)
+    assert "forward" not in head.__dict__ and "_onednn_weight" not in head.__dict__
+
+
+def test_the_onednn_head_follows_updates_to_the_weight_and_leaves_autograd_to_the_plain_head():
+    model = tiny_llama()
+    use_onednn_lm_head(model)
+    head, states = model.lm_head, torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        head(states)
+        head.weight.mul_(2)  # as an optimizer step would
+        torch.testing.assert_close(head(states), torch.nn.functional.linear(states, head.weight))
+    head.__dict__.pop("_onednn_weight")
+    head(states).sum().backward()  # training: autograd through F.linear, no oneDNN copy built
+    assert head.weight.grad is not None and "_onednn_weight" not in head.__dict__
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    use_onednn_lm_head(bf16)
+    with torch.no_grad():
+        bf16.lm_head(states.bfloat16())
+    assert "_onednn_weight" not in bf16.lm_head.__dict__
+
+
+def test_greedy_decoding_of_the_real_model_and_its_split_is_unchanged(smollm2):
+    dense, tokenizer = smollm2
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    for model in (copy.deepcopy(dense), build_moe(dense, num_experts=8, top_k=2)):
+        plain = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+        use_onednn_lm_head(model)
+        assert torch.equal(model.generate(**prompt, max_new_tokens=8, do_sample=False), plain)
