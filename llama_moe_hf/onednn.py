@@ -24,10 +24,14 @@ def onednn_available() -> bool:
 
 def use_onednn_lm_head(model) -> bool:
     """Route `model`'s output embedding (a `Linear`) through oneDNN when it runs on CPU in float32 without autograd.
-    Returns whether it did (False: torch has no oneDNN, or the head is not a `Linear`). Undo: `restore_lm_head`."""
+    Returns whether it does (False: torch has no oneDNN, the head is not a `Linear`, or its `forward` is already
+    wrapped by someone else, such as accelerate's offloading hooks, which it leaves alone). Undo: `restore_lm_head`."""
     head = model.get_output_embeddings()
     if not onednn_available() or not isinstance(head, torch.nn.Linear):
         return False
+    wrapped = head.__dict__.get("forward")
+    if wrapped is not None:
+        return getattr(wrapped, "func", None) is _onednn_forward
     head.forward = functools.partial(_onednn_forward, head)
     return True
 

@@ -30,8 +30,11 @@ def test_the_onednn_head_gives_the_plain_logits_and_leaves_the_parameters_alone(
     assert list(model.state_dict()) == keys and isinstance(head.weight, torch.nn.Parameter)
     if model.config.tie_word_embeddings:
         assert head.weight is model.get_input_embeddings().weight
+    assert use_onednn_lm_head(model)  # again: nothing changes
     restore_lm_head(model)
     assert "forward" not in head.__dict__ and "_onednn_weight" not in head.__dict__
+    head.forward = lambda states: states  # another wrapper (accelerate's hooks) is left alone
+    assert not use_onednn_lm_head(model) and head.forward(1) == 1
 
 
 def test_the_onednn_head_follows_updates_to_the_weight_and_leaves_autograd_to_the_plain_head():
