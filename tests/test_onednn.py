@@ -48,6 +48,9 @@ def test_the_onednn_head_follows_updates_to_the_weight_and_leaves_autograd_to_th
     head.__dict__.pop("_onednn_weight")
     head(states).sum().backward()  # training: autograd through F.linear, no oneDNN copy built
     assert head.weight.grad is not None and "_onednn_weight" not in head.__dict__
+    with torch.no_grad():  # compiled: inductor's own kernels, not oneDNN's layout
+        compiled = torch.compile(head, fullgraph=True)(states)
+    torch.testing.assert_close(compiled, torch.nn.functional.linear(states, head.weight))
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     use_onednn_lm_head(bf16)
     with torch.no_grad():
