@@ -7,8 +7,9 @@ Prefill: one forward of 512 tokens with a cache, keeping the last token's logits
 `--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
 inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
 
-In eager float32 on CPU every model's LM head runs through oneDNN (`llama_moe_hf.onednn`), as `llama-moe chat` runs
-it: torch's own float32 matrix-vector product uses one thread. `--lm-head torch` times torch's.
+In float32 on CPU every model's LM head runs on every thread (`llama_moe_hf.lm_head`: oneDNN in eager mode, as
+`llama-moe chat` runs it; an inductor reduction when compiled): torch's own float32 matrix-vector product uses one
+thread. `--lm-head torch` times torch's.
 
 `--compile` runs both models the documented transformers way: `torch.compile(model.forward, fullgraph=True)` and
 `generate(..., cache_implementation="static")` (compiled once before the timed rounds). Each model's tokens/s is
@@ -21,7 +22,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
 
     python benchmarks/bench_decode.py                          # 3 processes, 2 threads
     python benchmarks/bench_decode.py --processes 1 --profile
-    python benchmarks/bench_decode.py --lm-head torch          # torch's one-thread LM head (before llama_moe_hf.onednn)
+    python benchmarks/bench_decode.py --lm-head torch          # torch's one-thread LM head (not llama_moe_hf.lm_head)
     python benchmarks/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
     python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
 """
@@ -40,7 +41,7 @@ def measure(args) -> dict:
 
     from llama_moe_hf import build_moe
     from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.onednn import use_onednn_lm_head
+    from llama_moe_hf.lm_head import use_threaded_lm_head
 
     torch.set_num_threads(args.threads)
     path = default_model_path()
@@ -56,8 +57,8 @@ def measure(args) -> dict:
         models[name] = model.to(device=args.device, dtype=getattr(torch, args.dtype))
         if name != "dense" and args.experts_implementation:
             model.set_experts_implementation(args.experts_implementation)
-        if lm_head(args) == "onednn":  # every model alike, as `llama-moe chat` runs them
-            use_onednn_lm_head(model)
+        if lm_head(args) == "threaded":  # every model alike, as `llama-moe chat` runs them
+            use_threaded_lm_head(model)
     step_bytes = {name: read_bytes_per_token(model) for name, model in models.items()}
     generate_kwargs = {"cache_implementation": "static"} if args.compile else {}
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
@@ -103,9 +104,9 @@ def measure(args) -> dict:
 
 
 def lm_head(args) -> str:
-    """The LM head's kernel: oneDNN for eager float32 decoding on CPU unless `--lm-head torch`, else torch's."""
-    eager_cpu_float32 = not args.compile and args.device == "cpu" and args.dtype == "float32"
-    return args.lm_head if eager_cpu_float32 else "torch"
+    """The LM head's kernel: on every thread for float32 on CPU unless `--lm-head torch` (llama_moe_hf.lm_head)."""
+    cpu_float32 = args.device == "cpu" and args.dtype == "float32"
+    return args.lm_head if cpu_float32 else "torch"
 
 
 def copy_bandwidth(device: str, synchronize, megabytes: int = 512, repeats: int = 5) -> float:
@@ -210,7 +211,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--experts-implementation", help="the MoE models' experts kernel (default: the model's own)")
     parser.add_argument(
-        "--lm-head", default="onednn", choices=["onednn", "torch"], help="eager float32 on CPU: the LM head's kernel"
+        "--lm-head", default="threaded", choices=["threaded", "torch"], help="float32 on CPU: the LM head's kernel"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

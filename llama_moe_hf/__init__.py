@@ -42,7 +42,7 @@ _EXPORTS = {
     "push_folder": "llama_moe_hf.hub.push",
     "batch_similar": "llama_moe_hf.similarity.pipeline",
     "BatchSimilarOptions": "llama_moe_hf.similarity.options",
-    "use_onednn_lm_head": "llama_moe_hf.onednn",
+    "use_threaded_lm_head": "llama_moe_hf.lm_head",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -19,11 +19,11 @@ def chat(
     also printed to stdout as it is generated."""
     from transformers import TextStreamer
 
+    from .lm_head import use_threaded_lm_head
     from .loading import load_model
-    from .onednn import use_onednn_lm_head
 
     loaded, tokenizer, folder = load_model(model, dtype=dtype, device=device, download=download)
-    use_onednn_lm_head(loaded)  # batch-1 decoding on CPU in float32: the LM head on every thread
+    use_threaded_lm_head(loaded)  # batch-1 decoding on CPU in float32: the LM head on every thread
     if tokenizer.chat_template is None:
         raise ValueError(f"The tokenizer in {folder} has no chat template; `chat` needs an instruct model.")
     messages = [{"role": "user", "content": prompt}]

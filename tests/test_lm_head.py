@@ -1,6 +1,6 @@
-"""The oneDNN LM head for CPU decoding (`llama_moe_hf.onednn`): the same logits and greedy tokens as the plain head for
-dense and MoE models, the parameters, their tying and the state dict untouched, updates to the weight followed, and
-the plain `F.linear` wherever oneDNN does not apply (autograd, another dtype)."""
+"""The threaded LM head for CPU decoding (`llama_moe_hf.lm_head`): the same logits and greedy tokens as the plain head
+for dense and MoE models, eager (oneDNN) and compiled (a reduction); the parameters, their tying and the state dict
+untouched; updates to the weight followed; the plain `F.linear` wherever neither applies (autograd, another dtype)."""
 
 import copy
 
@@ -9,19 +9,19 @@ import torch
 from helpers import tiny_llama, tiny_moe, token_batch
 
 from llama_moe_hf import build_moe
-from llama_moe_hf.onednn import onednn_available, restore_lm_head, use_onednn_lm_head
+from llama_moe_hf.lm_head import onednn_available, restore_lm_head, use_threaded_lm_head
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_moe], ids=["dense", "moe"])
-def test_the_onednn_head_gives_the_plain_logits_and_leaves_the_parameters_alone(make):
+def test_the_threaded_head_gives_the_plain_logits_and_leaves_the_parameters_alone(make):
     model = make(tie_word_embeddings=True) if make is tiny_llama else make()
     ids = token_batch()
     with torch.no_grad():
         plain = model(ids).logits
     keys = list(model.state_dict())
-    assert use_onednn_lm_head(model)
+    assert use_threaded_lm_head(model)
     with torch.no_grad():
         fast = model(ids).logits
     head = model.get_output_embeddings()
@@ -30,16 +30,16 @@ def test_the_onednn_head_gives_the_plain_logits_and_leaves_the_parameters_alone(
     assert list(model.state_dict()) == keys and isinstance(head.weight, torch.nn.Parameter)
     if model.config.tie_word_embeddings:
         assert head.weight is model.get_input_embeddings().weight
-    assert use_onednn_lm_head(model)  # again: nothing changes
+    assert use_threaded_lm_head(model)  # again: nothing changes
     restore_lm_head(model)
     assert "forward" not in head.__dict__ and "_onednn_weight" not in head.__dict__
     head.forward = lambda states: states  # another wrapper (accelerate's hooks) is left alone
-    assert not use_onednn_lm_head(model) and head.forward(1) == 1
+    assert not use_threaded_lm_head(model) and head.forward(1) == 1
 
 
-def test_the_onednn_head_follows_updates_to_the_weight_and_leaves_autograd_to_the_plain_head():
+def test_the_threaded_head_follows_updates_to_the_weight_and_leaves_autograd_to_the_plain_head():
     model = tiny_llama()
-    use_onednn_lm_head(model)
+    use_threaded_lm_head(model)
     head, states = model.lm_head, torch.randn(3, model.config.hidden_size)
     with torch.no_grad():
         head(states)
@@ -48,11 +48,12 @@ def test_the_onednn_head_follows_updates_to_the_weight_and_leaves_autograd_to_th
     head.__dict__.pop("_onednn_weight")
     head(states).sum().backward()  # training: autograd through F.linear, no oneDNN copy built
     assert head.weight.grad is not None and "_onednn_weight" not in head.__dict__
-    with torch.no_grad():  # compiled: inductor's own kernels, not oneDNN's layout
-        compiled = torch.compile(head, fullgraph=True)(states)
-    torch.testing.assert_close(compiled, torch.nn.functional.linear(states, head.weight))
+    with torch.no_grad():  # compiled: the reduction for one row, F.linear for more; never oneDNN's layout
+        compiled = torch.compile(head, fullgraph=True)
+        for rows in (states[:1], states):
+            torch.testing.assert_close(compiled(rows), torch.nn.functional.linear(rows, head.weight))
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    use_onednn_lm_head(bf16)
+    use_threaded_lm_head(bf16)
     with torch.no_grad():
         bf16.lm_head(states.bfloat16())
     assert "_onednn_weight" not in bf16.lm_head.__dict__
@@ -64,5 +65,5 @@ def test_greedy_decoding_of_the_real_model_and_its_split_is_unchanged(smollm2):
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     for model in (copy.deepcopy(dense), build_moe(dense, num_experts=8, top_k=2)):
         plain = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-        use_onednn_lm_head(model)
+        use_threaded_lm_head(model)
         assert torch.equal(model.generate(**prompt, max_new_tokens=8, do_sample=False), plain)
