@@ -57,7 +57,7 @@ def _threaded_forward(head: torch.nn.Linear, hidden_states: torch.Tensor) -> tor
         or weight.dtype != torch.float32
         or (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
     )
-    if plain or not (torch.compiler.is_compiling() or onednn_available()):
+    if plain:
         return F.linear(hidden_states, weight, bias)
     if torch.compiler.is_compiling():
         if hidden_states.numel() != hidden_states.shape[-1]:
@@ -66,6 +66,8 @@ def _threaded_forward(head: torch.nn.Linear, hidden_states: torch.Tensor) -> tor
         # once (its matrix-vector call runs on one thread), as the experts' indexed reduction does.
         output = (hidden_states.unsqueeze(-2) * weight).sum(-1)
         return output if bias is None else output + bias
+    if not onednn_available():
+        return F.linear(hidden_states, weight, bias)
     key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
     cached = head.__dict__.get("_onednn_weight")
     if cached is None or cached[0] != key:
