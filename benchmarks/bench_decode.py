@@ -7,9 +7,10 @@ Prefill: one forward of 512 tokens with a cache, keeping the last token's logits
 `--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
 inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
 
-In float32 on CPU every model's LM head runs on every thread (`llama_moe_hf.lm_head`: oneDNN in eager mode, as
-`llama-moe chat` runs it; an inductor reduction when compiled): torch's own float32 matrix-vector product uses one
-thread. `--lm-head torch` times torch's.
+In float32 on CPU every model's linear layers run on every thread where that pays (`llama_moe_hf.lm_head`: in eager
+mode the LM head through oneDNN, as `llama-moe chat` runs it; compiled, every `Linear` at one row as an inductor
+reduction, `use_threaded_linears`): torch's own float32 matrix-vector product uses one thread. `--threaded lm-head`
+threads the LM head alone (the setting of earlier tables), `--threaded none` times torch's products throughout.
 
 `--compile` runs both models the documented transformers way: `torch.compile(model.forward, fullgraph=True)` and
 `generate(..., cache_implementation="static")` (compiled once before the timed rounds). Each model's tokens/s is
@@ -22,7 +23,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
 
     python benchmarks/bench_decode.py                          # 3 processes, 2 threads
     python benchmarks/bench_decode.py --processes 1 --profile
-    python benchmarks/bench_decode.py --lm-head torch          # torch's one-thread LM head (not llama_moe_hf.lm_head)
+    python benchmarks/bench_decode.py --threaded none          # torch's one-thread products (no llama_moe_hf.lm_head)
     python benchmarks/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
     python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
 """
@@ -41,7 +42,7 @@ def measure(args) -> dict:
 
     from llama_moe_hf import build_moe
     from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.lm_head import use_threaded_lm_head
+    from llama_moe_hf.lm_head import use_threaded_linears, use_threaded_lm_head
 
     torch.set_num_threads(args.threads)
     path = default_model_path()
@@ -57,7 +58,9 @@ def measure(args) -> dict:
         models[name] = model.to(device=args.device, dtype=getattr(torch, args.dtype))
         if name != "dense" and args.experts_implementation:
             model.set_experts_implementation(args.experts_implementation)
-        if lm_head(args) == "threaded":  # every model alike, as `llama-moe chat` runs them
+        if threaded(args) == "all" and args.compile:  # every model alike
+            use_threaded_linears(model)
+        elif threaded(args) != "none":  # eager: the head alone pays, as `llama-moe chat` runs it
             use_threaded_lm_head(model)
     step_bytes = {name: read_bytes_per_token(model) for name, model in models.items()}
     generate_kwargs = {"cache_implementation": "static"} if args.compile else {}
@@ -103,10 +106,10 @@ def measure(args) -> dict:
     return results
 
 
-def lm_head(args) -> str:
-    """The LM head's kernel: on every thread for float32 on CPU unless `--lm-head torch` (llama_moe_hf.lm_head)."""
+def threaded(args) -> str:
+    """Which linear layers run on every thread (llama_moe_hf.lm_head): only ever float32 on CPU."""
     cpu_float32 = args.device == "cpu" and args.dtype == "float32"
-    return args.lm_head if cpu_float32 else "torch"
+    return args.threaded if cpu_float32 else "none"
 
 
 def copy_bandwidth(device: str, synchronize, megabytes: int = 512, repeats: int = 5) -> float:
@@ -211,7 +214,11 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--experts-implementation", help="the MoE models' experts kernel (default: the model's own)")
     parser.add_argument(
-        "--lm-head", default="threaded", choices=["threaded", "torch"], help="float32 on CPU: the LM head's kernel"
+        "--threaded",
+        default="all",
+        choices=["all", "lm-head", "none"],
+        help="float32 on CPU: which linear layers run on every thread (all: use_threaded_linears compiled, the LM "
+        "head eager)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,7 +235,7 @@ def main():
     experts = args.experts_implementation or "default experts"
     print(
         f"torch {torch.__version__}, {args.device}, threads={args.threads}, {args.dtype}, batch 1, {mode}, {experts}, "
-        f"{lm_head(args)} LM head "
+        f"threaded linears: {threaded(args)} "
         f"| SmolLM2-135M-Instruct "
         f"dense vs {', '.join(compared)} | {args.processes} processes x {args.rounds} rounds"
     )

@@ -10,7 +10,7 @@ import importlib
 import importlib.abc
 import sys
 
-__version__ = "0.3.1"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
+__version__ = "0.3.2"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
 
 _EXPORTS = {
     "AttnMoEConfig": "llama_moe_hf.modeling",
@@ -43,6 +43,7 @@ _EXPORTS = {
     "batch_similar": "llama_moe_hf.similarity.pipeline",
     "BatchSimilarOptions": "llama_moe_hf.similarity.options",
     "use_threaded_lm_head": "llama_moe_hf.lm_head",
+    "use_threaded_linears": "llama_moe_hf.lm_head",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -1,18 +1,21 @@
-"""The LM head on every CPU thread, for batch-1 decoding in float32 of any causal LM, dense or MoE.
+"""Linear layers on every CPU thread, for batch-1 decoding in float32 of any causal LM, dense or MoE.
 
-At one token the LM head is a matrix-vector product over the whole vocabulary (SmolLM2: `[49152, 576]`, 113 MB a
-step), and torch runs float32 matrix-vector products through MKL on one thread: 6.6 ms a step with 2 threads or 1,
-eager or compiled. Two kernels use every thread instead (docs/benchmarks.md):
-- in eager mode, oneDNN's inner product: 1.7 ms;
+At one token a linear layer is a matrix-vector product, and torch runs float32 matrix-vector products through MKL on
+one thread, eager or compiled. The LM head is the largest (SmolLM2: `[49152, 576]`, 113 MB a step, 6.6 ms with 2
+threads or 1). Two kernels use every thread instead (docs/benchmarks.md):
+- in eager mode, oneDNN's inner product: 1.7 ms for that head (at the size of the other layers its per-call cost
+  outweighs the second thread, so they keep `F.linear`);
 - under `torch.compile`, the product written as a multiply and a sum over the hidden size, which inductor turns into
-  one reduction kernel that reads the weight once (as the experts' indexed reduction does): 2.4 ms.
-That cuts the same time from the dense model and the MoE, so it raises the MoE's speed-up too (a 2/8 split: 1.42x to
-1.53x dense in eager decoding, 1.78x to 1.98x compiled).
+  one reduction kernel that reads the weight once (as the experts' indexed reduction does): 2.4 ms for the head, and
+  2 to 3 times faster than `F.linear` for the attention and MLP projections too.
 
-`use_threaded_lm_head(model)` replaces only the output embedding's `forward` (an instance attribute, as accelerate's
-hooks do): the parameters, their tying to the input embedding, the state dict and `save_pretrained` are unchanged.
-The oneDNN copy of the weight is built on first use and again whenever the parameter changes (its version counter
-moves with every in-place update, such as an optimizer step). Anything else (autograd, more than one row when
+`use_threaded_lm_head(model)` threads the output embedding, eager and compiled (what `llama-moe chat` uses);
+`use_threaded_linears(model)` also every other `Linear` under `torch.compile` (compiled SmolLM2 decoding: dense 30.5
+to 53.5 tokens/s, its 2/8 split 60.2 to 79.6). Each replaces only a module's `forward` (an instance attribute, as
+accelerate's hooks do): the parameters, their tying to the input embedding, the state dict and `save_pretrained` are
+unchanged.
+The oneDNN copy of the head's weight is built on first use and again whenever the parameter changes (its version
+counter moves with every in-place update, such as an optimizer step). Anything else (autograd, more than one row when
 compiled, another device or dtype, torch without oneDNN in eager mode) takes the plain `F.linear`, which is also the
 reference the tests hold both kernels to.
 """
@@ -32,42 +35,71 @@ def use_threaded_lm_head(model) -> bool:
     Returns whether it does (False: the head is not a `Linear`, or its `forward` is already wrapped by someone else,
     such as accelerate's offloading hooks, which it leaves alone). Undo: `restore_lm_head`."""
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return False
-    wrapped = head.__dict__.get("forward")
-    if wrapped is not None:
-        return getattr(wrapped, "func", None) is _threaded_forward
-    head.forward = functools.partial(_threaded_forward, head)
-    return True
+    return isinstance(head, torch.nn.Linear) and _wrap(head, _threaded_forward)
+
+
+def use_threaded_linears(model) -> int:
+    """`use_threaded_lm_head`, and under `torch.compile` every other `Linear` of `model` too (attention projections,
+    dense MLPs, shared experts), one row at a time, as the same reduction: compiled, torch still
+    runs their float32 matrix-vector products on one thread. In eager mode they keep `F.linear`: at these sizes
+    oneDNN's per-call cost outweighs the second thread (docs/benchmarks.md). Returns how many `Linear`s run so (the
+    head included); undo: `restore_lm_head`."""
+    wrapped = int(use_threaded_lm_head(model))
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            wrapped += _wrap(module, _compiled_row_forward)
+    return wrapped
 
 
 def restore_lm_head(model) -> None:
-    """The output embedding's own `forward` again."""
-    head = model.get_output_embeddings()
-    head.__dict__.pop("forward", None)
-    head.__dict__.pop("_onednn_weight", None)
+    """Every `Linear` of `model` runs its own `forward` again (undoes both `use_threaded_*`)."""
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "func", None) in (_threaded_forward, _compiled_row_forward):
+            module.__dict__.pop("forward")
+            module.__dict__.pop("_onednn_weight", None)
 
 
-def _threaded_forward(head: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`head(hidden_states)` (`[..., H] -> [..., V]`): the reduction compiled, oneDNN in eager mode, else `F.linear`."""
-    weight, bias = head.weight, head.bias
-    plain = (
+def _wrap(module: torch.nn.Linear, forward) -> bool:
+    """Whether `module` runs `forward` now: set as an instance attribute, unless someone else's wrapper is there."""
+    wrapped = module.__dict__.get("forward")
+    if wrapped is not None:
+        return getattr(wrapped, "func", None) is forward
+    module.forward = functools.partial(forward, module)
+    return True
+
+
+def _needs_plain(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Another device or dtype, or autograd: `F.linear`, the reference both kernels are held to."""
+    return (
         hidden_states.device.type != "cpu"
         or hidden_states.dtype != torch.float32
         or weight.dtype != torch.float32
         or (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
     )
-    if plain:
-        return F.linear(hidden_states, weight, bias)
-    if torch.compiler.is_compiling():
-        if hidden_states.numel() != hidden_states.shape[-1]:
-            return F.linear(hidden_states, weight, bias)
-        # One row: inductor turns the product and sum into one reduction kernel on every thread, reading the weight
-        # once (its matrix-vector call runs on one thread), as the experts' indexed reduction does.
-        output = (hidden_states.unsqueeze(-2) * weight).sum(-1)
-        return output if bias is None else output + bias
-    if not onednn_available():
-        return F.linear(hidden_states, weight, bias)
+
+
+def _row_reduction(linear: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """One row: inductor turns the product and sum into one reduction kernel on every thread, reading the weight once
+    (its matrix-vector call runs on one thread), as the experts' indexed reduction does. Compiled only: in eager mode
+    the product would be materialised."""
+    output = (hidden_states.unsqueeze(-2) * linear.weight).sum(-1)
+    return output if linear.bias is None else output + linear.bias
+
+
+def _compiled_row_forward(linear: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`linear(hidden_states)`: the reduction when compiled at one row, else `F.linear`."""
+    one_row = hidden_states.numel() == hidden_states.shape[-1]
+    if one_row and torch.compiler.is_compiling() and not _needs_plain(hidden_states, linear.weight):
+        return _row_reduction(linear, hidden_states)
+    return F.linear(hidden_states, linear.weight, linear.bias)
+
+
+def _threaded_forward(head: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`head(hidden_states)` (`[..., H] -> [..., V]`): the reduction compiled, oneDNN in eager mode, else `F.linear`."""
+    weight, bias = head.weight, head.bias
+    if torch.compiler.is_compiling() or _needs_plain(hidden_states, weight) or not onednn_available():
+        return _compiled_row_forward(head, hidden_states)
     key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
     cached = head.__dict__.get("_onednn_weight")
     if cached is None or cached[0] != key:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_moe, token_batch
 
-from llama_moe_hf import build_moe
-from llama_moe_hf.lm_head import onednn_available, restore_lm_head, use_threaded_lm_head
+from llama_moe_hf import build_moe, lm_head
+from llama_moe_hf.lm_head import onednn_available, restore_lm_head, use_threaded_linears, use_threaded_lm_head
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -67,3 +67,25 @@ def test_greedy_decoding_of_the_real_model_and_its_split_is_unchanged(smollm2):
         plain = model.generate(**prompt, max_new_tokens=8, do_sample=False)
         use_threaded_lm_head(model)
         assert torch.equal(model.generate(**prompt, max_new_tokens=8, do_sample=False), plain)
+
+
+def test_threaded_linears_wrap_every_linear_and_run_the_reduction_for_one_row_when_compiled(monkeypatch):
+    model = tiny_moe(num_shared_experts=1)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert use_threaded_linears(model) == len(linears) > 1
+    assert use_threaded_linears(model) == len(linears)  # again: nothing changes
+    ids = token_batch(batch_size=1, length=5)
+    with torch.no_grad():
+        eager = model(ids).logits
+        step = torch.compile(model, fullgraph=True)  # one decoding-sized row per Linear
+        torch.testing.assert_close(step(ids[:, :1]).logits, eager[:, :1], atol=1e-5, rtol=1e-5)
+    reductions = []
+    monkeypatch.setattr(lm_head, "_row_reduction", lambda *args: reductions.append(args) or "reduction")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    linear, states = model.model.layers[0].self_attn.q_proj, torch.randn(2, model.config.hidden_size)
+    with torch.no_grad():
+        assert linear(states[:1]) == "reduction" and len(reductions) == 1
+        torch.testing.assert_close(linear(states), torch.nn.functional.linear(states, linear.weight))  # two rows
+    assert linear(states[:1]).requires_grad and len(reductions) == 1  # autograd: F.linear
+    restore_lm_head(model)
+    assert not any("forward" in module.__dict__ for module in linears)
