@@ -13,9 +13,10 @@ reduction, `use_threaded_linears`): torch's own float32 matrix-vector product us
 threads the LM head alone (the setting of earlier tables), `--threaded none` times torch's products throughout.
 
 `--compile` runs both models the documented transformers way: `torch.compile(model.forward, fullgraph=True)` and
-`generate(..., cache_implementation="static")` (compiled once before the timed rounds). Each model's tokens/s is
-also given against its own memory-bandwidth limit: a copy bandwidth measured in the same process divided by the
-weight bytes one decoding step reads (every weight, except that only k of the N routed experts count and the
+`generate(..., cache_implementation="static")` (compiled once before the timed rounds); on a GPU `generate` compiles
+the forward itself for a static cache, with `CompileConfig(fullgraph=True, mode=--compile-mode)`. Each model's
+tokens/s is also given against its own memory-bandwidth limit: a copy bandwidth measured in the same process divided
+by the weight bytes one decoding step reads (every weight, except that only k of the N routed experts count and the
 embedding lookup reads one row; a tied LM head reads the whole matrix).
 
 Timings on a shared VM can be bimodal across processes (docs/benchmarks.md): `--processes N` repeats the whole
@@ -26,6 +27,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
     python benchmarks/bench_decode.py --threaded none          # torch's one-thread products (no llama_moe_hf.lm_head)
     python benchmarks/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
     python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
+    python benchmarks/bench_decode.py --device cuda --dtype bfloat16 --compile --compile-mode reduce-overhead
 """
 
 import argparse
@@ -39,6 +41,7 @@ import time
 def measure(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation import CompileConfig
 
     from llama_moe_hf import build_moe
     from llama_moe_hf.checkpoints import default_model_path
@@ -64,6 +67,8 @@ def measure(args) -> dict:
             use_threaded_lm_head(model)
     step_bytes = {name: read_bytes_per_token(model) for name, model in models.items()}
     generate_kwargs = {"cache_implementation": "static"} if args.compile else {}
+    if args.compile and args.device != "cpu":  # there generate compiles the forward itself for a static cache
+        generate_kwargs["compile_config"] = CompileConfig(fullgraph=True, mode=args.compile_mode)
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt = prompt.to(args.device)
@@ -71,12 +76,12 @@ def measure(args) -> dict:
     long_input = long_input.to(args.device)
     synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
-    def greedy_tokens(model):  # the first call of a compiled model compiles it
+    def greedy_tokens(model, **kwargs):  # the first call of a compiled model compiles it
         new = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
-        return model.generate(**prompt, **new, do_sample=False, **generate_kwargs)
+        return model.generate(**prompt, **new, do_sample=False, **kwargs)
 
     def decode(model):
-        greedy_tokens(model)
+        greedy_tokens(model, **generate_kwargs)
         return args.new_tokens
 
     def prefill(model):
@@ -86,9 +91,11 @@ def measure(args) -> dict:
     results = {"copy_gb_s": copy_bandwidth(args.device, synchronize), "step_bytes": step_bytes}
     with torch.inference_mode():
         for name, model in models.items() if args.compile else ():
-            eager_tokens = greedy_tokens(model)
-            model.forward = torch.compile(model.forward, fullgraph=True)
-            results.setdefault("compiled_equals_eager", {})[name] = torch.equal(greedy_tokens(model), eager_tokens)
+            eager_tokens = greedy_tokens(model)  # a dynamic cache, never compiled
+            if args.device == "cpu":
+                model.forward = torch.compile(model.forward, fullgraph=True, mode=args.compile_mode)
+            compiled_tokens = greedy_tokens(model, **generate_kwargs)
+            results.setdefault("compiled_equals_eager", {})[name] = torch.equal(compiled_tokens, eager_tokens)
         tasks = (("decode", decode),) if args.compile else (("decode", decode), ("prefill", prefill))
         for name, task in tasks:
             rates = {model: [] for model in models}
@@ -104,6 +111,14 @@ def measure(args) -> dict:
         if args.profile:
             results["profile_ms"] = {name: step_profile(model, prompt["input_ids"]) for name, model in models.items()}
     return results
+
+
+def run_worker(command: list[str]) -> dict:
+    """One measuring process's results; its error output is shown if it fails."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"a measuring process failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def threaded(args) -> str:
@@ -210,6 +225,10 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="also time one decoding step by module kind")
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward, static cache")
+    parser.add_argument(
+        "--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        help="torch.compile's mode (reduce-overhead: CUDA graphs, the GPU's setting for batch-1 decoding)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="e.g. cuda (benchmarks/gpu_check.py's machine)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--experts-implementation", help="the MoE models' experts kernel (default: the model's own)")
@@ -226,12 +245,11 @@ def main():
         print(json.dumps(measure(args)))
         return
     worker = [sys.executable, __file__, "--worker", *sys.argv[1:]]
-    runs = [json.loads(subprocess.run(worker, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            for _ in range(args.processes)]  # fmt: skip
+    runs = [run_worker(worker) for _ in range(args.processes)]
     import torch
 
     compared = args.presets or [f"{k}/{args.num_experts}" for k in args.top_k]
-    mode = "compiled forward, static cache" if args.compile else "eager"
+    mode = f"compiled forward ({args.compile_mode}), static cache" if args.compile else "eager"
     experts = args.experts_implementation or "default experts"
     print(
         f"torch {torch.__version__}, {args.device}, threads={args.threads}, {args.dtype}, batch 1, {mode}, {experts}, "

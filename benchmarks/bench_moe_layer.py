@@ -7,6 +7,7 @@ ratio to the dense FFN (the ideal for a top-k of N even split is k/N).
 
     python benchmarks/bench_moe_layer.py                      # defaults: H=1024, FFN=4096, 16 experts, top-4
     python benchmarks/bench_moe_layer.py --tokens 1 16 --repeats 50 --threads 2
+    python benchmarks/bench_moe_layer.py --device cuda --dtype bfloat16   # ours (grouped_mm there) vs Mixtral's
 """
 
 import argparse
@@ -51,7 +52,7 @@ def build_blocks(args) -> dict[str, torch.nn.Module]:
         mixtral.load_state_dict(ours.state_dict())  # same names: gate.weight, experts.gate_up_proj/down_proj
         blocks[f"mixtral {implementation}"] = mixtral
     for block in blocks.values():
-        block.eval()
+        block.to(args.device, getattr(torch, args.dtype)).eval()
     return blocks
 
 
@@ -61,8 +62,10 @@ def time_blocks(blocks, num_tokens: int, args) -> dict[str, list[float]]:
     # A fresh input per round (the same for every block) changes the routing, and the cache flush before each call
     # makes every block read its weights from memory, as inside a model whose other layers evict them. Without
     # this, the first MoE block of a round would warm the chosen experts for the blocks timed after it.
-    inputs = [torch.randn(1, num_tokens, args.hidden_size) for _ in range(8)]
-    flush = torch.empty(args.flush_mb * 2**20 // 4)
+    dtype, synchronize = getattr(torch, args.dtype), (torch.cuda.synchronize if args.device == "cuda" else None)
+    inputs = [torch.randn(1, num_tokens, args.hidden_size, device=args.device, dtype=dtype) for _ in range(8)]
+    flush = torch.empty(args.flush_mb * 2**20 // 4, device=args.device)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # relative error of the output (bf16 rounds at ~0.4%)
     reference = None
     for name, block in blocks.items():
         if name == "dense":
@@ -70,7 +73,7 @@ def time_blocks(blocks, num_tokens: int, args) -> dict[str, list[float]]:
         out = block(inputs[0])
         if reference is None:
             reference = out
-        elif not torch.allclose(out, reference, atol=1e-5, rtol=1e-4):
+        elif ((out - reference).float().norm() / reference.float().norm()).item() > tolerance:
             raise AssertionError(f"{name} disagrees with our block at {num_tokens} tokens")
 
     # Fewer repeats for the long inputs keep the whole run short; the medians are stable there anyway.
@@ -80,8 +83,12 @@ def time_blocks(blocks, num_tokens: int, args) -> dict[str, list[float]]:
         hidden = inputs[round_idx % len(inputs)]
         for name, block in blocks.items():
             flush.fill_(round_idx)
+            if synchronize:
+                synchronize()
             start = time.perf_counter()
             block(hidden)
+            if synchronize:
+                synchronize()
             elapsed = time.perf_counter() - start
             if round_idx >= args.warmup:
                 samples[name].append(elapsed)
@@ -99,6 +106,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--flush-mb", type=int, default=128, help="buffer written before each call (> last-level cache)"
     )
@@ -107,10 +116,12 @@ def main():
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     ideal = args.top_k / args.num_experts
+    machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
-        f"float32, no_grad | H={args.hidden_size}, dense FFN={args.intermediate_size}, "
-        f"{args.num_experts} experts x {args.intermediate_size // args.num_experts}, top-{args.top_k}, ideal k/N={ideal}"
+        f"torch {torch.__version__}, {machine}, threads={torch.get_num_threads()}, "
+        f"{args.device}, {args.dtype}, no_grad | H={args.hidden_size}, dense FFN={args.intermediate_size}, "
+        f"{args.num_experts} experts x {args.intermediate_size // args.num_experts}, top-{args.top_k}, "
+        f"ideal k/N={ideal}"
     )
     blocks = build_blocks(args)
     names = list(blocks)

@@ -21,6 +21,7 @@ import copy
 import importlib.util
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from llama_moe_hf import build_moe
@@ -45,6 +46,23 @@ def dense_model(args):
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
+
+
+class Report(list):
+    """The checks' `(name, result, ok)` in order, each printed when made: a crash later leaves the earlier lines."""
+
+    def append(self, check):
+        name, result, ok = check
+        print(f"{'ok ' if ok else 'BAD'}  {name}: {result}", flush=True)
+        super().append(check)
+
+    def guarded(self, name, check, *args):
+        """Run `check(*args, self)`; an exception is one failed check, and the next family still runs."""
+        try:
+            check(*args, self)
+        except Exception as error:  # noqa: BLE001 (reported, and the exit status says it failed)
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            self.append((f"{name}: raised", f"{type(error).__name__}: {first_line}", False))
 
 
 def compare(name, got, expected, report, tolerance=0.02):
@@ -142,15 +160,15 @@ def main():
         raise SystemExit("gpu_check.py needs a CUDA GPU; none is visible here (--device cpu runs it on the CPU).")
     dense = dense_model(args)
     input_ids = torch.randint(0, dense.config.vocab_size, (2, args.tokens), device=args.device)
-    report = []
-    for family in FAMILIES:
-        check_family(family, dense, input_ids, args, report)
-    check_soap(dense, input_ids, args, report)
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"{device} | torch {torch.__version__}")
-    for name, result, ok in report:
-        print(f"{'ok ' if ok else 'BAD'}  {name}: {result}")
-    if not all(ok for _, _, ok in report):
+    print(f"{device} | torch {torch.__version__} | transformers {transformers.__version__}", flush=True)
+    report = Report()
+    for family in FAMILIES:
+        report.guarded(family, check_family, family, dense, input_ids, args)
+    report.guarded("soap_moe", check_soap, dense, input_ids, args)
+    failed = [name for name, _, ok in report if not ok]
+    print(f"{len(report) - len(failed)} of {len(report)} checks ok" + "".join(f"; BAD: {name}" for name in failed))
+    if failed:
         raise SystemExit(1)
 
 

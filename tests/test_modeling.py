@@ -16,7 +16,12 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
 from llama_moe_hf.conversion.choices import ATTENTION_GRANULARITIES, ROUTER_TYPES, ROUTING_MODES
-from llama_moe_hf.modeling import configuration_attn_moe, configuration_llama_moe, configuration_soap_moe
+from llama_moe_hf.modeling import (
+    configuration_attn_moe,
+    configuration_llama_moe,
+    configuration_soap_moe,
+    modeling_llama_moe,
+)
 from llama_moe_hf.modeling.modeling_llama_moe import (
     CACHE_ARG,
     ROUTER_CLASSES,
@@ -313,6 +318,31 @@ def test_static_cache_generation_equals_the_dynamic_cache(compensation):
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert dynamic.shape == (1, 16)
     assert torch.equal(static, dynamic) and torch.equal(uncached, dynamic)
+
+
+@pytest.mark.parametrize(
+    "device, tokens, compiling, kernel",
+    [
+        ("cpu", 1, False, "llama_moe_cpu"),
+        ("cpu", 8, False, "llama_moe_cpu"),
+        ("cpu", 1, True, "indexed_reduction"),
+        ("cpu", 8, True, "grouped_mm"),
+        ("meta", 1, False, "batched_mm"),
+        ("meta", 1, True, "grouped_mm"),
+        ("meta", 8, False, "grouped_mm"),
+    ],
+)
+def test_the_default_experts_kernel_by_device_size_and_compilation(monkeypatch, device, tokens, compiling, kernel):
+    """`llama_moe_auto`'s dispatch; a "meta" tensor stands for a GPU's. Decoding-sized inputs are T * k <= E."""
+    calls = []
+    for name in ("llama_moe_cpu", "indexed_reduction", "batched_mm", "grouped_mm"):
+        monkeypatch.setattr(modeling_llama_moe, f"{name}_experts_forward", lambda *args, name=name: calls.append(name))
+    monkeypatch.setattr(modeling_llama_moe, "is_torchdynamo_compiling", lambda: compiling)
+    experts = tiny_moe().model.layers[0].mlp.experts  # 4 experts, top-2
+    index = torch.zeros(tokens, 2, dtype=torch.long, device=device)
+    hidden_states = torch.zeros(tokens, experts.gate_up_proj.shape[-1], device=device)
+    modeling_llama_moe.llama_moe_auto_experts_forward(experts, hidden_states, index, index.float())
+    assert calls == [kernel]
 
 
 @pytest.mark.smoke

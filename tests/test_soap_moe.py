@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import load_as_remote_code, load_moe, logits, tiny_llama, tiny_llama_config
 from transformers import AutoModelForCausalLM
+from transformers.generation import CompileConfig
 
 from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
 from llama_moe_hf.commands import main
@@ -257,6 +258,21 @@ def test_segment_routing_generation_matches_the_full_forward_across_segments():
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
     full = model(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
     torch.testing.assert_close(torch.stack(out.scores, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.smoke
+@torch.no_grad()
+def test_generate_never_compiles_it_where_it_would_compile_a_static_cache_model():
+    """On a GPU `generate` compiles the forward for a static cache, and Dynamo failed on SoapMoE's routing state.
+    `_compile_all_devices` makes it do the same on this CPU."""
+    model = soap_model(routing_mode="segment")
+    prompt = token_ids(batch=1, length=SEGMENT + 2)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    static = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **kwargs)
+    assert torch.equal(static, model.generate(prompt, **kwargs))
+    assert not hasattr(model, "_compiled_call")
 
 
 @pytest.mark.smoke

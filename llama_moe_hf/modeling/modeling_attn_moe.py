@@ -168,8 +168,10 @@ class AttnMoEAttention(LlamaAttention):
         )  # attn_output: [B, S, heads, head_dim]
 
         # Weighting each head before o_proj == sum over experts of w_e * (their heads through their o_proj columns).
-        expert_weights = top_k_weights.new_zeros(top_k_index.shape[0], self.num_experts)
-        expert_weights = expert_weights.scatter(1, top_k_index, top_k_weights)  # [T, E]
+        # By comparison, not a scatter: compiled for CUDA, a one-row scatter fused with the gather after it read the
+        # zeros before the write (pytorch#191571; every head weighted 0 at decoding, seen with torch 2.11).
+        experts = torch.arange(self.num_experts, device=top_k_index.device)
+        expert_weights = (top_k_weights[..., None] * (top_k_index[..., None] == experts)).sum(1)  # [T, E]
         head_weights = expert_weights.repeat_interleave(self.heads_per_expert, dim=1)  # [T, heads]
         attn_output = attn_output * head_weights.view(*input_shape, -1, 1).to(attn_output.dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()

@@ -625,6 +625,11 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
     def router_aux_loss(self, outputs, attention_mask) -> None:
         return None
 
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """Never compiled by `generate`: with a static cache on a GPU it compiles the forward whatever
+        `_can_compile_fullgraph` says, and Dynamo fails on the routing state (transformers 5.23 to 5.24)."""
+        return False
+
     def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
         """Beam search: the SOAP layers' routing states follow the KV cache's rows."""
         cache.reorder_cache(beam_idx)
