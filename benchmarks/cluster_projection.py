@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.text.documents import load_texts
 from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.text.documents import load_texts
 
 SPLITS = {
     "random": {"method": "random"},

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heldout import heldout_tokens, perplexities, report  # noqa: E402
 
 from llama_moe_hf.conversion.calibration import tokenize_calibration  # noqa: E402
-from llama_moe_hf.text.documents import load_texts
 from llama_moe_hf.conversion.carving import activation_markers, split_carve  # noqa: E402
 from llama_moe_hf.loading import load_model  # noqa: E402
+from llama_moe_hf.text.documents import load_texts
 
 DEVICE_PATCHES = (("'cuda'", "'cpu'"), ("torch.bfloat16", "torch.float32"))
 CONFIG = re.compile(r"S(\d+)A(\d+)E(\d+)")

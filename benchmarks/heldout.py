@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from llama_moe_hf.loading import load_model
+from llama_moe_hf.perplexity import sliding_window_perplexity
 from llama_moe_hf.text.documents import iter_documents
 from llama_moe_hf.text.tokens import token_stream
-from llama_moe_hf.perplexity import sliding_window_perplexity
-from llama_moe_hf.loading import load_model
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout"
 TEXTS = ("tutorial", "howto")

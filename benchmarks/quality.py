@@ -33,8 +33,8 @@ from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion import gmoefication
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.text.corpus import stdlib_docstrings
 
 NUM_EXPERTS = 8
 SEQ_LEN = 256
@@ -206,7 +206,8 @@ def main():
             if "selector" in args.routers:
                 selector_quality[(method, compensation)] = selector_recall(model, context, means, recipe.top_k)
                 log(
-                    f"selector ({'with' if compensation else 'no'} compensation) {selector_quality[(method, compensation)]}"
+                    f"selector ({'with' if compensation else 'no'} compensation) "
+                    f"{selector_quality[(method, compensation)]}"
                 )
             for active in args.active:
                 for layer in model.model.layers:
@@ -245,7 +246,8 @@ def main():
         for (method, compensation), quality in selector_quality.items():
             print(
                 f"| {method} | {'deviation from mean' if compensation else 'output'} | "
-                f"{max(args.active) - SHARED[method]} | {quality['selector_recall']:.3f} | {quality['random_recall']:.3f} |"
+                f"{max(args.active) - SHARED[method]} | {quality['selector_recall']:.3f} | "
+                f"{quality['random_recall']:.3f} |"
             )
     target = [
         (a, ppl / oracle[(m, a, c)])
@@ -255,7 +257,8 @@ def main():
     for active, ratio in target:
         verdict = "met" if ratio <= 1.15 else "NOT met"
         print(
-            f"\nTarget cluster + selector + compensation at {active}/8 within 1.15x of the oracle: {ratio:.3f}x ({verdict})"
+            f"\nTarget cluster + selector + compensation at {active}/8 within 1.15x of the oracle: "
+            f"{ratio:.3f}x ({verdict})"
         )
     log(f"total {time.time() - started:.0f} s")
 

@@ -24,9 +24,9 @@ from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion.attention_fit import expert_output_norms
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from llama_moe_hf.modeling.modeling_llama_moe import CACHE_ARG
+from llama_moe_hf.text.corpus import stdlib_docstrings
 
 
 class OracleRouter(nn.Module):
@@ -79,8 +79,10 @@ def main():
     cut = int(len(docs) * 0.9)
     held_out = tokenize_calibration(docs[cut:], tokenizer, args.chunks * args.seq_len, args.seq_len)
     calibration = tokenize_calibration(docs[:cut], tokenizer, args.calibration_chunks * args.seq_len, args.seq_len)
-    print(f"held-out: {held_out.shape[0]} x {held_out.shape[1]} tokens from {len(docs) - cut} docs; "
-          f"calibration: {calibration.shape[0]} x {calibration.shape[1]} tokens")
+    print(
+        f"held-out: {held_out.shape[0]} x {held_out.shape[1]} tokens from {len(docs) - cut} docs; "
+        f"calibration: {calibration.shape[0]} x {calibration.shape[1]} tokens"
+    )
 
     rows = []
 

@@ -26,9 +26,9 @@ from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.conversion import gmoefication as g
 from llama_moe_hf.conversion.calibration import tokenize_calibration
 from llama_moe_hf.conversion.clustering import split_cluster
-from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.conversion.experts import build_expert_tensors
 from llama_moe_hf.conversion.statistics import collect_calibration
+from llama_moe_hf.text.corpus import stdlib_docstrings
 
 TOP_K = (2, 4, 6, 7)
 OBJECTIVES = ("bce-adam", "bce-lbfgs", "listwise-lbfgs")
