@@ -62,7 +62,7 @@ def time_blocks(blocks, num_tokens: int, args) -> dict[str, list[float]]:
     # A fresh input per round (the same for every block) changes the routing, and the cache flush before each call
     # makes every block read its weights from memory, as inside a model whose other layers evict them. Without
     # this, the first MoE block of a round would warm the chosen experts for the blocks timed after it.
-    dtype, synchronize = getattr(torch, args.dtype), (torch.cuda.synchronize if args.device == "cuda" else None)
+    dtype, synchronize = getattr(torch, args.dtype), (torch.cuda.synchronize if args.device == "cuda" else lambda: None)
     inputs = [torch.randn(1, num_tokens, args.hidden_size, device=args.device, dtype=dtype) for _ in range(8)]
     flush = torch.empty(args.flush_mb * 2**20 // 4, device=args.device)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # relative error of the output (bf16 rounds at ~0.4%)
@@ -83,12 +83,10 @@ def time_blocks(blocks, num_tokens: int, args) -> dict[str, list[float]]:
         hidden = inputs[round_idx % len(inputs)]
         for name, block in blocks.items():
             flush.fill_(round_idx)
-            if synchronize:
-                synchronize()
+            synchronize()
             start = time.perf_counter()
             block(hidden)
-            if synchronize:
-                synchronize()
+            synchronize()
             elapsed = time.perf_counter() - start
             if round_idx >= args.warmup:
                 samples[name].append(elapsed)

@@ -59,6 +59,7 @@ from .modeling_llama_moe import (
     LlamaMoERouter,
     accepts_past_key_values,
     attach_router_loss,
+    expert_one_hot,
     router_losses,
 )
 
@@ -168,10 +169,7 @@ class AttnMoEAttention(LlamaAttention):
         )  # attn_output: [B, S, heads, head_dim]
 
         # Weighting each head before o_proj == sum over experts of w_e * (their heads through their o_proj columns).
-        # By comparison, not a scatter: compiled for CUDA, a one-row scatter fused with the gather after it read the
-        # zeros before the write (pytorch#191571; every head weighted 0 at decoding, seen with torch 2.11).
-        experts = torch.arange(self.num_experts, device=top_k_index.device)
-        expert_weights = (top_k_weights[..., None] * (top_k_index[..., None] == experts)).sum(1)  # [T, E]
+        expert_weights = (top_k_weights[..., None] * expert_one_hot(top_k_index, self.num_experts)).sum(1)  # [T, E]
         head_weights = expert_weights.repeat_interleave(self.heads_per_expert, dim=1)  # [T, heads]
         attn_output = attn_output * head_weights.view(*input_shape, -1, 1).to(attn_output.dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()

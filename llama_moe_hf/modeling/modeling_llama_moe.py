@@ -519,19 +519,28 @@ def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weigh
     the default of its own MoE families; eager on a GPU, decoding-sized inputs take `batched_mm`, as transformers'
     `generate` switches its own MoE models to for decoding there (2/8 split 0.66x dense tokens/s against 0.55x with
     `grouped_mm` on an H200, where batch-1 decoding of so small a model is bound by kernel launches)."""
-    on_cpu = hidden_states.device.type == "cpu" and not self._is_expert_parallel
+    if self._is_expert_parallel:
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    on_cpu = hidden_states.device.type == "cpu"
     compiling, decoding = is_torchdynamo_compiling(), top_k_index.numel() <= self.num_experts
     if on_cpu and not compiling:
         return llama_moe_cpu_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if on_cpu and decoding:
         return indexed_reduction_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    if decoding and not compiling and not self._is_expert_parallel:
+    if decoding and not compiling:
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 ALL_EXPERTS_FUNCTIONS.register("llama_moe_cpu", llama_moe_cpu_experts_forward)
 ALL_EXPERTS_FUNCTIONS.register("llama_moe_auto", llama_moe_auto_experts_forward)
+
+
+def expert_one_hot(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[..., k, E]` bool: whether each entry of `index` (`[..., k]` expert ids) is expert e. Compared, not
+    scattered: compiled for CUDA, inductor fused a one-row scatter with the read after it and read before writing
+    (pytorch#191571; AttnMoE's decoding step weighted every head 0, torch 2.11)."""
+    return index[..., None] == torch.arange(num_experts, device=index.device)
 
 
 class LlamaMoESharedExperts(nn.Module):
@@ -599,10 +608,8 @@ class LlamaMoESparseMoeBlock(nn.Module):
         if chooses_tokens:  # index [E, C]: expert e took the tokens index[e]
             unselected = self.compensation.new_ones(num_tokens, self.compensation.shape[0])  # [T, E] 0/1 mask
             unselected.scatter_(0, index.t(), 0.0)
-        else:  # index [T, k]; compared, not scattered: inductor's CUDA kernels can read a one-row scatter's target
-            # before writing it (pytorch#191571)
-            experts = torch.arange(self.compensation.shape[0], device=index.device)
-            unselected = (index[..., None] != experts).all(1).to(self.compensation.dtype)  # [T, E]
+        else:  # index [T, k]
+            unselected = (~expert_one_hot(index, self.compensation.shape[0]).any(1)).to(self.compensation.dtype)
         return unselected @ self.compensation
 
 
