@@ -169,6 +169,12 @@ def router_loss_sink():
         _ROUTER_LOSS_SINK.reset(token)
 
 
+def collect_router_losses(forward) -> tuple[MoeModelOutputWithPast, list]:
+    """`forward()` and the router losses it collected (`router_loss_sink`)."""
+    with router_loss_sink() as sink:
+        return forward(), sink
+
+
 def attach_router_loss(module: nn.Module, hidden_states: torch.Tensor, loss: torch.Tensor | float) -> torch.Tensor:
     """`hidden_states`, with `loss` attached to the graph when `module` trains with gradients (else unchanged); while a
     head collects the router losses (`router_loss_sink`), `loss` goes there instead."""
@@ -428,11 +434,16 @@ class LlamaMoEExperts(nn.Module):
         return output
 
 
-def _expert_vector(experts: LlamaMoEExperts, state: torch.Tensor, expert_idx: int) -> torch.Tensor:
-    """`LlamaMoEExperts.expert` for one `[H]` row."""
-    gate_up = torch.mv(experts.gate_up_proj[expert_idx], state)  # [2m]
-    gate, up = gate_up[: experts.intermediate_dim], gate_up[experts.intermediate_dim :]
-    return torch.mv(experts.down_proj[expert_idx], experts.act_fn(gate) * up)  # [H]
+def _decode_token(experts: LlamaMoEExperts, state: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+    """`[H]`: one token's weighted sum over its experts `ids` (`weights [k]`), matrix-vector products on views of the
+    fused weights. The fewest kernels: the k gate_up products are stacked once so that the activation and the
+    weighting run once for all k, and the down products accumulate (`addmv`) instead of being stacked and summed."""
+    gate, up = torch.stack([torch.mv(experts.gate_up_proj[e], state) for e in ids]).chunk(2, dim=-1)  # [k, m] each
+    activations = experts.act_fn(gate) * up * weights[:, None]  # [k, m]
+    output = torch.mv(experts.down_proj[ids[0]], activations[0])  # [H]
+    for slot in range(1, len(ids)):
+        output = torch.addmv(output, experts.down_proj[ids[slot]], activations[slot])
+    return output
 
 
 def llama_moe_cpu_experts_forward(
@@ -455,12 +466,10 @@ def llama_moe_cpu_experts_forward(
         # Matrix-vector products on views of the selected experts' weights: the fewest ops per expert, which is what
         # a decoding step costs here (the weights are read once either way).
         rows = [
-            torch.mv(
-                torch.stack([_expert_vector(self, hidden_states[token_idx], e) for e in ids], 1), weights[token_idx]
-            )
+            _decode_token(self, hidden_states[token_idx], ids, weights[token_idx])
             for token_idx, ids in enumerate(top_k_index.tolist())
         ]  # T x [H]
-        return torch.stack(rows)
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
     # Group the S = T*k (token, expert) pairs by expert with one sort and a single host sync (the counts).
     top_k = top_k_index.shape[-1]
@@ -898,17 +907,19 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         collect = labels is not None and not is_torchdynamo_compiling()  # compiled, the losses stay attached
-        with router_loss_sink() if collect else contextlib.nullcontext([]) as router_loss_terms:
-            outputs: MoeModelOutputWithPast = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                inputs_embeds=inputs_embeds,
-                use_cache=use_cache,
-                output_router_logits=output_router_logits,
-                **kwargs,
-            )
+        backbone = functools.partial(
+            self.model,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        # Compiled, no with-block around the backbone: Dynamo failed to resume after a graph break inside one (SoapMoE)
+        outputs, router_loss_terms = collect_router_losses(backbone) if collect else (backbone(), [])
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
 

@@ -627,7 +627,8 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """Never compiled by `generate`: with a static cache on a GPU it compiles the forward whatever
-        `_can_compile_fullgraph` says, and Dynamo fails on the routing state (transformers 5.23 to 5.24)."""
+        `_can_compile_fullgraph` says (transformers 5.23 to 5.24), and SoapMoE's routing breaks the graph at its host
+        syncs. Before model code 0.3.4 Dynamo crashed there; `torch.compile(model)` by hand now runs (tested)."""
         return False
 
     def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
