@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_moe, logits, one_error_line, tiny_llama
+from helpers import load_moe, logits, one_error_line, tiny_llama, tiny_moe
 
 from llama_moe_hf import MoERecipe, convert_to_moe
 from llama_moe_hf.commands import main
@@ -262,3 +262,14 @@ def test_the_presets_healing_gives_the_same_weights_converting_or_healing_later(
     assert_same_tensors(tmp_path / "later", at_once)
     before, after = tensors(plain), tensors(at_once)
     assert any(not torch.equal(before[name], after[name]) for name in before)  # healing changed the experts
+
+
+def test_the_routing_energy_is_what_each_token_loses_without_each_expert():
+    """`_energy` runs every expert at once; it equals `|expert_e(x) - compensation_e|^2`, one expert at a time."""
+    block = tiny_moe(moe_compensation=True).model.layers[0].mlp
+    torch.nn.init.normal_(block.compensation, std=0.1)
+    states = torch.randn(9, block.experts.hidden_dim)
+    expected = torch.stack(
+        [(block.experts.expert(states, e) - block.compensation[e]).pow(2).sum(-1) for e in range(4)], 1
+    )
+    torch.testing.assert_close(healing._energy(block, states), expected)
