@@ -126,8 +126,8 @@ def check_generation(family, model, prompt, args, report):
 @torch.no_grad()
 def check_soap(dense, input_ids, args, report):
     """SoapMoE in bf16: upcycled equals the dense model; fast merged path equals the reference path; generation with
-    the static cache equals the dynamic cache's, in both routing modes. (No compile check: its routing state lives
-    outside the graph.)"""
+    the static cache equals the dynamic cache's, in both routing modes. (No compile check: its routing breaks the
+    graph, so `generate` never compiles it; tests/test_soap_moe.py checks `torch.compile(model)` on CPU.)"""
     soap = build_moe(dense, family="soap_moe", num_experts=4, options={"segment_length": 64})
     soap = soap.to(args.device, torch.bfloat16)
     reference = copy.deepcopy(dense).to(args.device, torch.bfloat16)(input_ids).logits

@@ -270,6 +270,10 @@ def test_the_routing_energy_is_what_each_token_loses_without_each_expert():
     torch.nn.init.normal_(block.compensation, std=0.1)
     states = torch.randn(9, block.experts.hidden_dim)
     expected = torch.stack(
-        [(block.experts.expert(states, e) - block.compensation[e]).pow(2).sum(-1) for e in range(4)], 1
+        [
+            (block.experts.expert(states, e) - block.compensation[e]).pow(2).sum(-1)
+            for e in range(block.experts.num_experts)
+        ],
+        1,
     )
     torch.testing.assert_close(healing._energy(block, states), expected)

@@ -263,7 +263,8 @@ def test_segment_routing_generation_matches_the_full_forward_across_segments():
 @pytest.mark.smoke
 @torch.no_grad()
 def test_generate_never_compiles_it_where_it_would_compile_a_static_cache_model():
-    """On a GPU `generate` compiles the forward for a static cache, and Dynamo failed on SoapMoE's routing state.
+    """On a GPU `generate` compiles the forward for a static cache whatever `_can_compile_fullgraph` says, and
+    SoapMoE's routing breaks the graph (before model code 0.3.4 Dynamo crashed there, in the head's with-block).
     `_compile_all_devices` makes it do the same on this CPU."""
     model = soap_model(routing_mode="segment")
     prompt = token_ids(batch=1, length=SEGMENT + 2)

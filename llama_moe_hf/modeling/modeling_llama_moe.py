@@ -441,8 +441,8 @@ def _decode_token(experts: LlamaMoEExperts, state: torch.Tensor, ids: list[int],
     gate, up = torch.stack([torch.mv(experts.gate_up_proj[e], state) for e in ids]).chunk(2, dim=-1)  # [k, m] each
     activations = experts.act_fn(gate) * up * weights[:, None]  # [k, m]
     output = torch.mv(experts.down_proj[ids[0]], activations[0])  # [H]
-    for slot in range(1, len(ids)):
-        output = torch.addmv(output, experts.down_proj[ids[slot]], activations[slot])
+    for expert_idx, activation in zip(ids[1:], activations[1:]):
+        output = torch.addmv(output, experts.down_proj[expert_idx], activation)
     return output
 
 
@@ -469,7 +469,7 @@ def llama_moe_cpu_experts_forward(
             _decode_token(self, hidden_states[token_idx], ids, weights[token_idx])
             for token_idx, ids in enumerate(top_k_index.tolist())
         ]  # T x [H]
-        return rows[0][None] if len(rows) == 1 else torch.stack(rows)
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # one token: a view, not one more copy
 
     # Group the S = T*k (token, expert) pairs by expert with one sort and a single host sync (the counts).
     top_k = top_k_index.shape[-1]
@@ -901,8 +901,9 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         r"""
         `aux_loss` is the (unweighted) Switch load-balancing loss of `router_logits`, as in Mixtral; with `labels`,
         `loss = lm_loss + router_aux_loss_coef * aux_loss + the other router losses` (z-loss, MI loss, attention
-        balance loss; in training, weighted by `router_loss_share`). Without `labels` those are attached to the graph
-        in training (see the module docstring).
+        balance loss; in training, weighted by `router_loss_share`). Without `labels`, and under `torch.compile`, those
+        are attached to the graph in training instead (see the module docstring): their gradients flow, unweighted,
+        and `loss` leaves them out.
         """
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
