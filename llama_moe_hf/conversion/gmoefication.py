@@ -39,23 +39,29 @@ def deviation_energy(
     gate_up_proj: torch.Tensor,  # [E, 2m, H]
     down_proj: torch.Tensor,  # [E, H, m]
     expert_mean: torch.Tensor,  # [E, m]
+    output_offset: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:
-    """`[T, E]`: squared norm of `(a_e(x) - mu_e) @ down_e^T`, the output error of replacing expert e by its mean.
+    """`[T, E]`: squared norm of `(a_e(x) - mu_e) @ down_e^T - c_e`, the output error of replacing expert e by its
+    mean (`c_e`: `output_offset`, 0 when None).
 
-    Pass `expert_mean = 0` for the error of dropping an expert without compensation. Computed in float32, in chunks
+    Pass `expert_mean = 0` for the error of dropping an expert without compensation, and `output_offset` for a
+    compensation row that is not `down_e mu_e` (trained, as healing trains it). Computed in float32, in chunks
     of tokens so that the `[t, E, m]` intermediates stay small for long calibration samples. The squared norm is
-    `d^T (down_e^T down_e) d` with the `[E, m, m]` Gram matrices: m x m instead of H x m multiply-adds per token and
-    expert (a third of them on SmolLM2 with 8 experts, whose m = 192 against H = 576).
+    `d^T (down_e^T down_e) d - 2 d . down_e^T c_e + |c_e|^2` with the `[E, m, m]` Gram matrices: m x m instead of
+    H x m multiply-adds per token and expert (a third of them on SmolLM2 with 8 experts, whose m = 192 against
+    H = 576).
     """
     gate_up_proj, down_proj = gate_up_proj.float(), down_proj.float()
     expert_mean = expert_mean.to(gate_up_proj.device, torch.float32)
     gram = down_proj.transpose(1, 2) @ down_proj  # [E, m, m]
+    offset = torch.zeros_like(down_proj[:, :, 0]) if output_offset is None else output_offset.float()  # [E, H]
+    offset_in, offset_norm = torch.einsum("ehm,eh->em", down_proj, offset), offset.pow(2).sum(-1)  # [E, m], [E]
     energies = []
     for chunk in hidden_states.split(ENERGY_CHUNK_TOKENS):
         gate, up = torch.einsum("th,efh->tef", chunk.float(), gate_up_proj).chunk(2, dim=-1)
         deviation = F.silu(gate) * up - expert_mean  # [t, E, m]
-        projected = torch.einsum("tem,emn->ten", deviation, gram)
-        energies.append((projected * deviation).sum(-1).clamp_min(0))  # >= 0 but for rounding
+        projected = torch.einsum("tem,emn->ten", deviation, gram) - 2 * offset_in
+        energies.append(((projected * deviation).sum(-1) + offset_norm).clamp_min(0))  # >= 0 but for rounding
     return torch.cat(energies)
 
 

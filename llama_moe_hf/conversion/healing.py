@@ -253,15 +253,11 @@ def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: H
 @torch.no_grad()
 def _energy(block, states: torch.Tensor) -> torch.Tensor:
     """`[T, E]`: what each token loses when each expert is left out (its output against its compensation)."""
+    from .gmoefication import deviation_energy
+
     experts = block.experts
-    num_experts, size = experts.num_experts, experts.intermediate_dim
-    # Every expert at once: one GEMM over the fused gate_up weights, one bmm down (12% faster than one expert at a time)
-    gate_up = F.linear(states, experts.gate_up_proj.reshape(num_experts * 2 * size, -1))  # [T, E * 2m]
-    gate, up = gate_up.view(-1, num_experts, 2 * size).chunk(2, dim=-1)  # [T, E, m] each
-    outputs = torch.bmm((experts.act_fn(gate) * up).transpose(0, 1), experts.down_proj.transpose(1, 2))  # [E, T, H]
-    if block.compensation is not None:
-        outputs = outputs - block.compensation[:, None]
-    return outputs.pow(2).sum(-1).t()
+    zero_mean = experts.down_proj.new_zeros(experts.num_experts, experts.intermediate_dim)
+    return deviation_energy(states, experts.gate_up_proj, experts.down_proj, zero_mean, block.compensation)
 
 
 def _relative_error(outputs: torch.Tensor, targets: torch.Tensor) -> float:
