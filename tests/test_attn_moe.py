@@ -12,7 +12,8 @@ from llama_moe_hf import AttnMoEConfig, AttnMoEForCausalLM, build_moe, convert_t
 from llama_moe_hf.commands import main
 from llama_moe_hf.conversion.attention_fit import expert_output_norms, fit_attention_router
 from llama_moe_hf.conversion.statistics import collect_calibration
-from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
+from llama_moe_hf.modeling import modeling_attn_moe
+from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention, compiled_decoding_sdpa_backend
 from llama_moe_hf.modeling.modeling_llama_moe import output_cache, router_z_loss_func
 from llama_moe_hf.source_families import dense_config_fields
 
@@ -344,6 +345,29 @@ def test_static_cache_and_compiled_decoding():
     compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
     got = compiled(input_ids=ids[:, -1:], cache=caches[1], use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_decoding_step_compiled_for_a_gpu_takes_sdpa_math_backend(monkeypatch):
+    """Compiled for an H200, AttnMoE's decoding step with sdpa's fused kernel gave wrong tokens (docs/benchmarks.md);
+    the math backend gave the right ones. Only that case changes: prefill, CPU and eager keep sdpa's own choice.
+    (Fake CUDA tensors: the choice depends on device and shape alone.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        decoding, prefill = torch.empty(1, 8, 1, 64, device="cuda"), torch.empty(1, 8, 5, 64, device="cuda")
+    fused_kernels = [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()]
+    for query in (decoding, prefill, torch.empty(1, 8, 1, 64)):
+        with compiled_decoding_sdpa_backend(query):  # not compiling
+            assert [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()] == (
+                fused_kernels
+            )
+    monkeypatch.setattr(modeling_attn_moe, "is_torchdynamo_compiling", lambda: True)
+    with compiled_decoding_sdpa_backend(decoding):
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert not (torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled())
+    for query in (prefill, torch.empty(1, 8, 1, 64)):
+        with compiled_decoding_sdpa_backend(query):
+            assert torch.backends.cuda.flash_sdp_enabled() == fused_kernels[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -546,9 +546,8 @@ ALL_EXPERTS_FUNCTIONS.register("llama_moe_auto", llama_moe_auto_experts_forward)
 
 
 def expert_one_hot(index: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`[..., k, E]` bool: whether each entry of `index` (`[..., k]` expert ids) is expert e. Compared, not
-    scattered: compiled for CUDA, inductor fused a one-row scatter with the read after it and read before writing
-    (pytorch#191571; AttnMoE's decoding step weighted every head 0, torch 2.11)."""
+    """`[..., k, E]` bool: whether each entry of `index` (`[..., k]` expert ids) is expert e. A comparison rather than
+    a scatter: one pointwise op, which inductor fuses into the ops that read it."""
     return index[..., None] == torch.arange(num_experts, device=index.device)
 
 
