@@ -125,6 +125,22 @@ def test_an_interrupted_convert_resumes_even_in_a_folder_it_created_and_never_fr
     assert_same_tensors(output, result.output_dir)
 
 
+def test_a_heal_interrupted_under_another_release_starts_over(healed, tmp_path, monkeypatch):
+    """Healing's code changes between releases (its rounding did): a resume never mixes their layers."""
+    import llama_moe_hf
+
+    _, plain, result = healed
+    trained = interrupt_the_first_training_of_layer_one(monkeypatch)
+    options = HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False)
+    with monkeypatch.context() as older_release:
+        older_release.setattr(llama_moe_hf, "__version__", "0.0.1")
+        with pytest.raises(KeyboardInterrupt):
+            heal_folder(plain, options)
+    heal_folder(plain, options)
+    assert trained == [0, 1, 0, 1]
+    assert_same_tensors(tmp_path / "out", result.output_dir)
+
+
 def test_a_heal_killed_between_its_writes_resumes_from_a_consistent_layer(healed, tmp_path, monkeypatch):
     """Killed after a layer's states were written but before the record naming the layer: the record's layer and its
     states still belong together, and the run ends as an uninterrupted one."""

@@ -177,7 +177,10 @@ class LayerHealer:
     # Resuming ----------------------------------------------------------------------------------------------------
 
     def _fingerprint(self, input_ids) -> str:
+        from .. import __version__  # layers healed by another release's code are not mixed with this one's
+
         digest = hashlib.sha256(json.dumps(asdict(self.settings), sort_keys=True).encode())
+        digest.update(__version__.encode())
         digest.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
         digest.update(self.identity.encode())
         digest.update(input_ids.numpy().tobytes())
