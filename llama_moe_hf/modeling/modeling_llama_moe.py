@@ -7,8 +7,9 @@ Attention, norms and rotary embeddings are transformers' own modules of the dens
               (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32; the expert-choice
               router in training gives each expert's tokens instead (weights [E, C], token ids [E, C])
     experts   LlamaMoEExperts: fused weights; `forward` is the plain reference loop (`experts_implementation="eager"`);
-              `llama_moe_cpu` (fast CPU dispatch) and `llama_moe_auto` (the default, per device) are registered with
-              transformers' experts implementations next to its `grouped_mm` and `batched_mm`
+              `llama_moe_cpu` (fast CPU dispatch), `llama_moe_cpu_compiled` (its decoding kernel compiled) and
+              `llama_moe_auto` (the default, per device) are registered with transformers' experts implementations
+              next to its `grouped_mm` and `batched_mm`
     block     LlamaMoESparseMoeBlock: router + experts (+ shared experts, + G-MoEfication compensation)
     layer     LlamaMoEDecoderLayer: LLaMA decoder layer whose MLP is dense or MoE (`config.moe_layers`)
     model     LlamaMoEModel
@@ -504,20 +505,62 @@ def llama_moe_cpu_experts_forward(
     return output
 
 
-def indexed_reduction_experts_forward(
-    self: LlamaMoEExperts,
+def indexed_reduction(
+    gate_up_proj: torch.Tensor,  # [E, 2m, H]
+    down_proj: torch.Tensor,  # [E, H, m]
     hidden_states: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
+    act_fn,
 ) -> torch.Tensor:
-    """Few (token, expert) pairs under `torch.compile`: each projection as a product and a sum over the selected
-    experts' weights, indexed where they lie. Inductor turns the indexing into loads inside one reduction kernel,
-    so the selected weights are read once and never copied (`grouped_mm` first gathers them into a new tensor, and
-    decoding is bound by weight reads). In eager mode the indexing would copy: use it compiled only."""
-    gate_up = (self.gate_up_proj[top_k_index] * hidden_states[:, None, None, :]).sum(-1)  # [T, k, 2m]
+    """`[T, H]`: each projection as a product and a sum over the selected experts' weights, indexed where they lie.
+    Inductor turns the indexing into loads inside one reduction kernel on every thread, so the selected weights are
+    read once and never copied (`grouped_mm` first gathers them into a new tensor, and decoding is bound by weight
+    reads). In eager mode the indexing would copy: run it compiled only."""
+    gate_up = (gate_up_proj[top_k_index] * hidden_states[:, None, None, :]).sum(-1)  # [T, k, 2m]
     gate, up = gate_up.chunk(2, dim=-1)  # [T, k, m] each
-    expert_output = (self.down_proj[top_k_index] * (self.act_fn(gate) * up)[:, :, None, :]).sum(-1)  # [T, k, H]
+    expert_output = (down_proj[top_k_index] * (act_fn(gate) * up)[:, :, None, :]).sum(-1)  # [T, k, H]
     return (expert_output * top_k_weights.to(expert_output.dtype)[..., None]).sum(1)  # [T, H]
+
+
+def indexed_reduction_experts_forward(self: LlamaMoEExperts, hidden_states, top_k_index, top_k_weights):
+    """Few (token, expert) pairs under `torch.compile` (`indexed_reduction`)."""
+    return indexed_reduction(self.gate_up_proj, self.down_proj, hidden_states, top_k_index, top_k_weights, self.act_fn)
+
+
+@functools.cache
+def compiled_silu_reduction():
+    """`indexed_reduction` with SiLU, compiled on first use: a decoding kernel for eager mode. (The activation is fixed
+    so that every layer shares one graph: each layer's `act_fn` module would be guarded on and recompiled.)"""
+    return torch.compile(functools.partial(indexed_reduction, act_fn=F.silu), fullgraph=True)
+
+
+def llama_moe_cpu_compiled_experts_forward(self: LlamaMoEExperts, hidden_states, top_k_index, top_k_weights):
+    """`experts_implementation="llama_moe_cpu_compiled"`: `llama_moe_cpu`, except that decoding-sized inputs (`T * k
+    <= E`) on CPU without autograd, in an uncompiled model with SiLU experts, run `indexed_reduction` compiled by
+    inductor: every thread reads the experts' weights, where `torch.mv` uses one (2/8 split decoding +18%,
+    docs/benchmarks.md). Compiling takes seconds, once per process (and shape), so it is not the default. Where it
+    cannot compile (no C++ compiler), it says so once and runs `llama_moe_cpu`."""
+    if (
+        top_k_index.numel() <= self.num_experts
+        and hidden_states.is_cpu
+        and not torch.is_grad_enabled()
+        and not is_torchdynamo_compiling()
+        and self.config.hidden_act == "silu"
+        and not _COMPILE_FAILED
+    ):
+        try:
+            return compiled_silu_reduction()(
+                self.gate_up_proj, self.down_proj, hidden_states, top_k_index, top_k_weights
+            )
+        except Exception as error:  # noqa: BLE001 - inductor's failures have many types; the eager path is exact
+            _COMPILE_FAILED.append(error)
+            warnings.warn(f"llama_moe_cpu_compiled could not compile its decoding kernel, so it runs llama_moe_cpu: "
+                          f"{type(error).__name__}: {str(error).strip()[:200]}", stacklevel=2)  # fmt: skip
+    return llama_moe_cpu_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+_COMPILE_FAILED: list[Exception] = []  # the reason, once compiling the decoding kernel failed in this process
 
 
 def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -542,6 +585,7 @@ def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weigh
 
 
 ALL_EXPERTS_FUNCTIONS.register("llama_moe_cpu", llama_moe_cpu_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register("llama_moe_cpu_compiled", llama_moe_cpu_compiled_experts_forward)
 ALL_EXPERTS_FUNCTIONS.register("llama_moe_auto", llama_moe_auto_experts_forward)
 
 
