@@ -228,9 +228,7 @@ def test_default_experts_implementation_is_chosen_per_device(tmp_path):
     assert loaded.config._experts_implementation == "grouped_mm"
 
 
-@pytest.mark.parametrize(
-    "implementation", ["llama_moe_auto", "llama_moe_cpu", "llama_moe_cpu_compiled", "grouped_mm", "batched_mm"]
-)
+@pytest.mark.parametrize("implementation", ["llama_moe_auto", "llama_moe_cpu", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
 def test_experts_implementations_match_the_eager_reference(implementation, num_shared_experts):
     """Same logits and same gradients (through the router weights too) as the plain reference loop."""
@@ -287,10 +285,10 @@ def test_every_branch_of_the_cpu_dispatch_matches_grouped_mm(num_tokens, used_ex
 
 @pytest.mark.smoke
 @torch.no_grad()
-def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu():
-    """`llama_moe_cpu_compiled` runs its inductor kernel for decoding steps (one graph for every layer) and gives
-    llama_moe_cpu's greedy tokens and logits."""
-    model = tiny_moe(num_shared_experts=1)
+def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
+    """`llama_moe_cpu_compiled` runs its inductor kernel for every decoding step of every layer, with one graph for
+    them all (a second generation compiles nothing), and gives llama_moe_cpu's greedy tokens and logits."""
+    model = tiny_moe(num_shared_experts=1)  # 2 MoE layers
     input_ids = token_batch(batch_size=1, length=6)
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     model.set_experts_implementation("llama_moe_cpu")
@@ -298,41 +296,54 @@ def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu():
     cache = DynamicCache(config=model.config)
     model(input_ids, cache=cache, use_cache=True)
     expected_step = model(expected[:, 6:7], cache=copy.deepcopy(cache), use_cache=True).logits
+    calls, kernel = [], modeling_llama_moe.compiled_silu_reduction
+    monkeypatch.setattr(
+        modeling_llama_moe, "compiled_silu_reduction", lambda: lambda *a: calls.append(1) or kernel()(*a)
+    )
     model.set_experts_implementation("llama_moe_cpu_compiled")
-    modeling_llama_moe.compiled_silu_reduction.cache_clear()
+    monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])  # where a failed compile says why
     assert torch.equal(model.generate(input_ids, **kwargs), expected)
-    assert modeling_llama_moe.compiled_silu_reduction.cache_info().currsize == 1  # it ran
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(input_ids, **kwargs), expected)
     step = model(expected[:, 6:7], cache=cache, use_cache=True).logits
+    assert not modeling_llama_moe._COMPILE_FAILED
+    assert len(calls) == 2 * (2 * 7 + 1)  # two generations of 7 decoding steps, and one step, in 2 layers
     torch.testing.assert_close(step, expected_step, atol=1e-5, rtol=1e-4)
 
 
 def test_the_compiled_cpu_decoding_kernel_is_left_out_where_it_does_not_apply_or_cannot_compile(monkeypatch):
-    """With autograd, or more (token, expert) pairs than experts, llama_moe_cpu runs; where compiling fails, a
-    warning once, and llama_moe_cpu's output."""
+    """With autograd, more (token, expert) pairs than experts or another activation, llama_moe_cpu runs; past
+    Dynamo's recompile limit too, for that call; where compiling fails, a warning once, and llama_moe_cpu from then
+    on."""
     experts = tiny_moe().model.layers[0].mlp.experts  # 4 experts, top-2
-    states, index = torch.randn(1, 64), torch.tensor([[0, 3]])
-    weights = torch.tensor([[0.7, 0.3]])
-    expected = modeling_llama_moe.llama_moe_cpu_experts_forward(experts, states, index, weights)
+    forward, cpu = (
+        modeling_llama_moe.llama_moe_cpu_compiled_experts_forward,
+        modeling_llama_moe.llama_moe_cpu_experts_forward,
+    )
+    one = torch.randn(1, 64), torch.tensor([[0, 3]]), torch.tensor([[0.7, 0.3]])
+    three = torch.randn(3, 64), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    failure = [RuntimeError("no C++ compiler")]
 
-    def broken(*_):
-        raise RuntimeError("no C++ compiler")
+    def kernel(*_):
+        raise failure[0]
 
-    monkeypatch.setattr(modeling_llama_moe, "compiled_silu_reduction", lambda: broken)
+    monkeypatch.setattr(modeling_llama_moe, "compiled_silu_reduction", lambda: kernel)
     monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])
-    forward = modeling_llama_moe.llama_moe_cpu_compiled_experts_forward
-    torch.testing.assert_close(forward(experts, states, index, weights), expected)  # autograd on: not tried
-    states3, index3 = torch.randn(3, 64), torch.tensor([[0, 1], [2, 3], [1, 2]])
-    torch.testing.assert_close(
-        forward(experts, states3, index3, weights.expand(3, 2)),
-        modeling_llama_moe.llama_moe_cpu_experts_forward(experts, states3, index3, weights.expand(3, 2)),
-    )  # 6 pairs > 4 experts: not tried
-    assert not modeling_llama_moe._COMPILE_FAILED
+    torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))  # autograd on: not tried
     with torch.no_grad():
+        torch.testing.assert_close(forward(experts, *three), cpu(experts, *three))  # 6 pairs > 4 experts
+        experts.act_fn = torch.nn.GELU()
+        forward(experts, *one)
+        experts.act_fn = torch.nn.SiLU()
+        failure[0] = torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+        torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))
+        assert not modeling_llama_moe._COMPILE_FAILED
+        failure[0] = RuntimeError("no C++ compiler")
         with pytest.warns(UserWarning, match="could not compile its decoding kernel.*no C\\+\\+ compiler"):
-            torch.testing.assert_close(forward(experts, states, index, weights), expected)
+            torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            torch.testing.assert_close(forward(experts, states, index, weights), expected)  # said once
+            torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))  # said once
 
 
 def test_default_path_is_deterministic_under_deterministic_algorithms():

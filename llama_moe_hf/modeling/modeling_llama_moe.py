@@ -528,39 +528,49 @@ def indexed_reduction_experts_forward(self: LlamaMoEExperts, hidden_states, top_
     return indexed_reduction(self.gate_up_proj, self.down_proj, hidden_states, top_k_index, top_k_weights, self.act_fn)
 
 
+def silu_indexed_reduction(gate_up_proj, down_proj, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """`indexed_reduction` with SiLU: a function of its own, because Dynamo keeps its compiled graphs (and their limit
+    of 8) per code object, which every compiled `functools.partial` shares."""
+    return indexed_reduction(gate_up_proj, down_proj, hidden_states, top_k_index, top_k_weights, F.silu)
+
+
 @functools.cache
 def compiled_silu_reduction():
-    """`indexed_reduction` with SiLU, compiled on first use: a decoding kernel for eager mode. (The activation is fixed
-    so that every layer shares one graph: each layer's `act_fn` module would be guarded on and recompiled.)"""
-    return torch.compile(functools.partial(indexed_reduction, act_fn=F.silu), fullgraph=True)
+    """`silu_indexed_reduction` compiled (on first use): the eager-mode decoding kernel of `llama_moe_cpu_compiled`."""
+    return torch.compile(silu_indexed_reduction, fullgraph=True)
+
+
+_SILU_TYPES = (nn.SiLU, type(ACT2FN["silu"]))  # "silu" and "swish"
+_COMPILE_FAILED: list[str] = []  # why compiling the decoding kernel failed in this process, once it has
 
 
 def llama_moe_cpu_compiled_experts_forward(self: LlamaMoEExperts, hidden_states, top_k_index, top_k_weights):
-    """`experts_implementation="llama_moe_cpu_compiled"`: `llama_moe_cpu`, except that decoding-sized inputs (`T * k
-    <= E`) on CPU without autograd, in an uncompiled model with SiLU experts, run `indexed_reduction` compiled by
-    inductor: every thread reads the experts' weights, where `torch.mv` uses one (2/8 split decoding +18%,
-    docs/benchmarks.md). Compiling takes seconds, once per process (and shape), so it is not the default. Where it
-    cannot compile (no C++ compiler), it says so once and runs `llama_moe_cpu`."""
+    """`experts_implementation="llama_moe_cpu_compiled"`: `llama_moe_auto`, except that decoding-sized inputs (`T * k
+    <= E`) in eager mode on CPU without autograd (SiLU experts, no expert parallelism) run `indexed_reduction`
+    compiled by inductor: every thread reads the experts' weights, where `torch.mv` uses one (2/8 split decoding +18%,
+    docs/benchmarks.md). Compiling takes seconds, once per process and per dtype and input shape class, so it is not
+    the default. Where inductor cannot compile (no C++ compiler) it says so once and runs `llama_moe_cpu` from then on;
+    a variant beyond Dynamo's recompile limit runs `llama_moe_cpu` alone."""
     if (
         top_k_index.numel() <= self.num_experts
         and hidden_states.is_cpu
         and not torch.is_grad_enabled()
         and not is_torchdynamo_compiling()
-        and self.config.hidden_act == "silu"
+        and not self._is_expert_parallel
+        and isinstance(self.act_fn, _SILU_TYPES)
         and not _COMPILE_FAILED
     ):
+        # Detached, the weights are plain inputs: no guard on requires_grad, and shapes that may become dynamic.
+        weights = (self.gate_up_proj.detach(), self.down_proj.detach())
         try:
-            return compiled_silu_reduction()(
-                self.gate_up_proj, self.down_proj, hidden_states, top_k_index, top_k_weights
-            )
-        except Exception as error:  # noqa: BLE001 - inductor's failures have many types; the eager path is exact
-            _COMPILE_FAILED.append(error)
-            warnings.warn(f"llama_moe_cpu_compiled could not compile its decoding kernel, so it runs llama_moe_cpu: "
-                          f"{type(error).__name__}: {str(error).strip()[:200]}", stacklevel=2)  # fmt: skip
-    return llama_moe_cpu_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-_COMPILE_FAILED: list[Exception] = []  # the reason, once compiling the decoding kernel failed in this process
+            return compiled_silu_reduction()(*weights, hidden_states, top_k_index, top_k_weights)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            pass  # one variant too many; those compiled keep running
+        except Exception as error:  # noqa: BLE001 - inductor fails in many ways; the eager path is exact
+            _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).strip()[:200]}")
+            message = "llama_moe_cpu_compiled could not compile its decoding kernel, so it runs llama_moe_cpu: "
+            warnings.warn(message + _COMPILE_FAILED[0], stacklevel=2)
+    return llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights):
