@@ -286,8 +286,9 @@ def test_every_branch_of_the_cpu_dispatch_matches_grouped_mm(num_tokens, used_ex
 @pytest.mark.smoke
 @torch.no_grad()
 def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
-    """`llama_moe_cpu_compiled` runs its inductor kernel for every decoding step of every layer, with one graph for
-    them all (a second generation compiles nothing), and gives llama_moe_cpu's greedy tokens and logits."""
+    """`llama_moe_cpu_compiled` runs its inductor kernels (routed and shared experts) for every decoding step of every
+    layer, with one graph each for them all (a second generation compiles nothing), and gives llama_moe_cpu's greedy
+    tokens and logits."""
     model = tiny_moe(num_shared_experts=1)  # 2 MoE layers
     input_ids = token_batch(batch_size=1, length=6)
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
@@ -296,10 +297,10 @@ def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
     cache = DynamicCache(config=model.config)
     model(input_ids, cache=cache, use_cache=True)
     expected_step = model(expected[:, 6:7], cache=copy.deepcopy(cache), use_cache=True).logits
-    calls, kernel = [], modeling_llama_moe.compiled_silu_reduction
-    monkeypatch.setattr(
-        modeling_llama_moe, "compiled_silu_reduction", lambda: lambda *a: calls.append(1) or kernel()(*a)
-    )
+    calls = []
+    for name in ("compiled_silu_reduction", "compiled_silu_mlp"):  # the routed experts' kernel, the shared ones'
+        kernel = getattr(modeling_llama_moe, name)
+        monkeypatch.setattr(modeling_llama_moe, name, lambda k=kernel, n=name: lambda *a: calls.append(n) or k()(*a))
     model.set_experts_implementation("llama_moe_cpu_compiled")
     monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])  # where a failed compile says why
     assert torch.equal(model.generate(input_ids, **kwargs), expected)
@@ -307,15 +308,18 @@ def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
         assert torch.equal(model.generate(input_ids, **kwargs), expected)
     step = model(expected[:, 6:7], cache=cache, use_cache=True).logits
     assert not modeling_llama_moe._COMPILE_FAILED
-    assert len(calls) == 2 * (2 * 7 + 1)  # two generations of 7 decoding steps, and one step, in 2 layers
+    steps = 2 * (2 * 7 + 1)  # two generations of 7 decoding steps, and one step, in 2 layers
+    assert calls.count("compiled_silu_reduction") == calls.count("compiled_silu_mlp") == steps
     torch.testing.assert_close(step, expected_step, atol=1e-5, rtol=1e-4)
 
 
 def test_the_compiled_cpu_decoding_kernel_is_left_out_where_it_does_not_apply_or_cannot_compile(monkeypatch):
-    """With autograd, more (token, expert) pairs than experts or another activation, llama_moe_cpu runs; past
-    Dynamo's recompile limit too, for that call; where compiling fails, a warning once, and llama_moe_cpu from then
-    on."""
-    experts = tiny_moe().model.layers[0].mlp.experts  # 4 experts, top-2
+    """With autograd, more (token, expert) pairs than experts, another activation or wrapped shared projections,
+    llama_moe_cpu runs; past Dynamo's recompile limit too, for that call; where compiling fails, a warning once, and
+    llama_moe_cpu from then on."""
+    model = tiny_moe(num_shared_experts=1)
+    model.set_experts_implementation("llama_moe_cpu_compiled")
+    experts, shared = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.shared_experts  # 4 experts, top-2
     forward, cpu = (
         modeling_llama_moe.llama_moe_cpu_compiled_experts_forward,
         modeling_llama_moe.llama_moe_cpu_experts_forward,
@@ -328,6 +332,7 @@ def test_the_compiled_cpu_decoding_kernel_is_left_out_where_it_does_not_apply_or
         raise failure[0]
 
     monkeypatch.setattr(modeling_llama_moe, "compiled_silu_reduction", lambda: kernel)
+    monkeypatch.setattr(modeling_llama_moe, "compiled_silu_mlp", lambda: kernel)
     monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])
     torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))  # autograd on: not tried
     with torch.no_grad():
@@ -335,6 +340,10 @@ def test_the_compiled_cpu_decoding_kernel_is_left_out_where_it_does_not_apply_or
         experts.act_fn = torch.nn.GELU()
         forward(experts, *one)
         experts.act_fn = torch.nn.SiLU()
+        adapted = type("Adapted", (torch.nn.Linear,), {})(64, shared.gate_proj.out_features, bias=False)
+        shared.gate_proj, plain = adapted, shared.gate_proj
+        shared(one[0])  # a wrapped projection (an adapter's): its weights are not all in `.weight`
+        shared.gate_proj = plain
         failure[0] = torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
         torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))
         assert not modeling_llama_moe._COMPILE_FAILED

@@ -540,37 +540,70 @@ def compiled_silu_reduction():
     return torch.compile(silu_indexed_reduction, fullgraph=True)
 
 
+def silu_mlp_reduction(gate_proj, up_proj, down_proj, hidden_states) -> torch.Tensor:
+    """`[T, H]`: a SwiGLU MLP (`gate_proj`, `up_proj` `[m, H]`, `down_proj` `[H, m]`) as products and sums, which
+    inductor runs on every thread: `llama_moe_cpu_compiled`'s kernel for the shared experts."""
+    states = hidden_states[:, None, :]  # [T, 1, H]
+    hidden = F.silu((gate_proj * states).sum(-1)) * (up_proj * states).sum(-1)  # [T, m]
+    return (down_proj * hidden[:, None, :]).sum(-1)  # [T, H]
+
+
+@functools.cache
+def compiled_silu_mlp():
+    """`silu_mlp_reduction` compiled (on first use)."""
+    return torch.compile(silu_mlp_reduction, fullgraph=True)
+
+
 _SILU_TYPES = (nn.SiLU, type(ACT2FN["silu"]))  # "silu" and "swish"
-_COMPILE_FAILED: list[str] = []  # why compiling the decoding kernel failed in this process, once it has
+_COMPILE_FAILED: list[str] = []  # why compiling a decoding kernel failed in this process, once it has
+
+
+def compiled_decoding_applies(config, hidden_states: torch.Tensor, num_pairs: int, act_fn) -> bool:
+    """Whether `llama_moe_cpu_compiled` runs a compiled kernel for `hidden_states`: chosen in `config`, decoding-sized
+    (`num_pairs` (token, expert) pairs at most `num_experts`), eager mode on CPU without autograd, SiLU, and no
+    compile has failed in this process."""
+    return (
+        getattr(config, "_experts_implementation", None) == "llama_moe_cpu_compiled"
+        and num_pairs <= config.num_experts
+        and hidden_states.is_cpu
+        and not torch.is_grad_enabled()
+        and not is_torchdynamo_compiling()
+        and isinstance(act_fn, _SILU_TYPES)
+        and not _COMPILE_FAILED
+    )
+
+
+def run_compiled(kernel, *inputs: torch.Tensor) -> torch.Tensor | None:
+    """`kernel()(*inputs)` (the weights among `inputs` detached: plain inputs, so no guard on requires_grad and
+    shapes that may become dynamic), or None where it did not run: past Dynamo's recompile limit (for this call), or
+    when compiling failed (said once; no compiled kernel runs in this process from then on)."""
+    try:
+        return kernel()(*inputs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        return None
+    except Exception as error:  # noqa: BLE001 - inductor fails in many ways; the eager path is exact
+        _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).strip()[:200]}")
+        message = "llama_moe_cpu_compiled could not compile its decoding kernel, so it runs llama_moe_cpu: "
+        warnings.warn(message + _COMPILE_FAILED[0], stacklevel=3)
+        return None
 
 
 def llama_moe_cpu_compiled_experts_forward(self: LlamaMoEExperts, hidden_states, top_k_index, top_k_weights):
     """`experts_implementation="llama_moe_cpu_compiled"`: `llama_moe_auto`, except that decoding-sized inputs (`T * k
     <= E`) in eager mode on CPU without autograd (SiLU experts, no expert parallelism) run `indexed_reduction`
-    compiled by inductor: every thread reads the experts' weights, where `torch.mv` uses one (2/8 split decoding +18%,
-    docs/benchmarks.md). Compiling takes seconds, once per process and per dtype and input shape class, so it is not
-    the default. Where inductor cannot compile (no C++ compiler) it says so once and runs `llama_moe_cpu` from then on;
-    a variant beyond Dynamo's recompile limit runs `llama_moe_cpu` alone."""
-    if (
-        top_k_index.numel() <= self.num_experts
-        and hidden_states.is_cpu
-        and not torch.is_grad_enabled()
-        and not is_torchdynamo_compiling()
-        and not self._is_expert_parallel
-        and isinstance(self.act_fn, _SILU_TYPES)
-        and not _COMPILE_FAILED
-    ):
-        # Detached, the weights are plain inputs: no guard on requires_grad, and shapes that may become dynamic.
-        weights = (self.gate_up_proj.detach(), self.down_proj.detach())
-        try:
-            return compiled_silu_reduction()(*weights, hidden_states, top_k_index, top_k_weights)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            pass  # one variant too many; those compiled keep running
-        except Exception as error:  # noqa: BLE001 - inductor fails in many ways; the eager path is exact
-            _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).strip()[:200]}")
-            message = "llama_moe_cpu_compiled could not compile its decoding kernel, so it runs llama_moe_cpu: "
-            warnings.warn(message + _COMPILE_FAILED[0], stacklevel=2)
-    return llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    compiled by inductor, and so do the shared experts (`silu_mlp_reduction`): every thread reads the weights, where
+    `torch.mv` uses one (2/8 split decoding +18%, docs/benchmarks.md). Compiling takes seconds, once per process and
+    per dtype and input shape class, so it is not the default. Where inductor cannot compile (no C++ compiler) it
+    says so once and runs `llama_moe_cpu` from then on; a variant beyond Dynamo's recompile limit runs
+    `llama_moe_cpu` alone."""
+    output = None
+    if compiled_decoding_applies(self.config, hidden_states, top_k_index.numel(), self.act_fn):
+        if not self._is_expert_parallel:
+            weights = (self.gate_up_proj.detach(), self.down_proj.detach())
+            output = run_compiled(compiled_silu_reduction, *weights, hidden_states, top_k_index, top_k_weights)
+    if output is None:
+        output = llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return output
 
 
 def llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -615,8 +648,18 @@ class LlamaMoESharedExperts(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.config = config  # whose experts implementation may compile these too (`llama_moe_cpu_compiled`)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, H]
+        top_k = getattr(self.config, "num_experts_per_tok", None) or 0  # None in SoapMoE's config
+        pairs = hidden_states.shape[0] * top_k  # decoding-sized as the routed experts count it
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if all(type(p) is nn.Linear for p in projections) and compiled_decoding_applies(
+            self.config, hidden_states, pairs, self.act_fn
+        ):  # plain layers only: an adapter's (LoRA) weights are not in `.weight`
+            output = run_compiled(compiled_silu_mlp, *(p.weight.detach() for p in projections), hidden_states)
+            if output is not None:
+                return output
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
