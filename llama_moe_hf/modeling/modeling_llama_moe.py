@@ -558,13 +558,13 @@ _SILU_TYPES = (nn.SiLU, type(ACT2FN["silu"]))  # "silu" and "swish"
 _COMPILE_FAILED: list[str] = []  # why compiling a decoding kernel failed in this process, once it has
 
 
-def compiled_decoding_applies(config, hidden_states: torch.Tensor, num_pairs: int, act_fn) -> bool:
-    """Whether `llama_moe_cpu_compiled` runs a compiled kernel for `hidden_states`: chosen in `config`, decoding-sized
-    (`num_pairs` (token, expert) pairs at most `num_experts`), eager mode on CPU without autograd, SiLU, and no
-    compile has failed in this process."""
+def compiled_decoding_applies(config, hidden_states: torch.Tensor, act_fn) -> bool:
+    """Whether `llama_moe_cpu_compiled` runs a compiled kernel for `hidden_states` (`[T, H]`): chosen in `config`,
+    decoding-sized (`T * k <= E` (token, expert) pairs), eager mode on CPU without autograd, SiLU, and no compile has
+    failed in this process."""
     return (
         getattr(config, "_experts_implementation", None) == "llama_moe_cpu_compiled"
-        and num_pairs <= config.num_experts
+        and hidden_states.shape[0] * config.num_experts_per_tok <= config.num_experts
         and hidden_states.is_cpu
         and not torch.is_grad_enabled()
         and not is_torchdynamo_compiling()
@@ -597,10 +597,9 @@ def llama_moe_cpu_compiled_experts_forward(self: LlamaMoEExperts, hidden_states,
     says so once and runs `llama_moe_cpu` from then on; a variant beyond Dynamo's recompile limit runs
     `llama_moe_cpu` alone."""
     output = None
-    if compiled_decoding_applies(self.config, hidden_states, top_k_index.numel(), self.act_fn):
-        if not self._is_expert_parallel:
-            weights = (self.gate_up_proj.detach(), self.down_proj.detach())
-            output = run_compiled(compiled_silu_reduction, *weights, hidden_states, top_k_index, top_k_weights)
+    if not self._is_expert_parallel and compiled_decoding_applies(self.config, hidden_states, self.act_fn):
+        weights = (self.gate_up_proj.detach(), self.down_proj.detach())
+        output = run_compiled(compiled_silu_reduction, *weights, hidden_states, top_k_index, top_k_weights)
     if output is None:
         output = llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return output
@@ -651,11 +650,9 @@ class LlamaMoESharedExperts(nn.Module):
         self.config = config  # whose experts implementation may compile these too (`llama_moe_cpu_compiled`)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, H]
-        top_k = getattr(self.config, "num_experts_per_tok", None) or 0  # None in SoapMoE's config
-        pairs = hidden_states.shape[0] * top_k  # decoding-sized as the routed experts count it
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if all(type(p) is nn.Linear for p in projections) and compiled_decoding_applies(
-            self.config, hidden_states, pairs, self.act_fn
+        if compiled_decoding_applies(self.config, hidden_states, self.act_fn) and all(
+            type(p) is nn.Linear for p in projections
         ):  # plain layers only: an adapter's (LoRA) weights are not in `.weight`
             output = run_compiled(compiled_silu_mlp, *(p.weight.detach() for p in projections), hidden_states)
             if output is not None:
