@@ -35,6 +35,7 @@ from llama_moe_hf.training.distill import (
     recorded_source,
     resolve_teacher,
 )
+from llama_moe_hf.training.pretrain import ContinualPretrainArguments
 
 pytestmark = pytest.mark.slow
 
@@ -177,10 +178,10 @@ def _domain_files(tmp_path: Path, real_text) -> tuple[str, str]:
     return str(paths[0]), str(paths[1])
 
 
-def _distill_recipe(moe: Path, tmp_path: Path, real_text, *flags: str):
-    """Three steps of recipes/pretrain/distill.yaml on real prose; the recipe's outcome."""
+def _distill_recipe(moe: Path, tmp_path: Path, real_text, *flags: str, config: str = "pretrain/distill.yaml"):
+    """Three steps of a continual pre-training recipe (distill.yaml) on real prose into tmp_path/out; its outcome."""
     train, test = _domain_files(tmp_path, real_text)
-    argv = ["--config", str(RECIPES / "pretrain/distill.yaml"), "--model_name_or_path", str(moe)]
+    argv = ["--config", str(RECIPES / config), "--model_name_or_path", str(moe)]
     argv += ["--output_dir", str(tmp_path / "out"), "--domains", f"prose={train}", "--domain_weights", "prose=1"]
     argv += ["--held_out", f"prose={test}", "--seq_len", "32", "--eval_blocks", "2", "--max_steps", "3"]
     argv += ["--warmup_steps", "1", "--eval_steps", "3", "--logging_steps", "1", "--disable_tqdm", "true"]
@@ -207,6 +208,30 @@ def test_continual_pretraining_recipe_distils_and_records_the_teacher(pair, tmp_
         torch.testing.assert_close(reloaded(ids).logits, outcome.model.eval()(ids).logits)
     # The carried recipe makes the trained folder name the same default teacher for a next stage.
     assert recorded_source(str(outcome.output)) == str(dense.resolve())
+
+
+def test_a_corrected_teacher_is_the_dense_source_trained_on_the_lm_loss_and_then_teaches(pair, tmp_path, real_text):
+    dense, moe = pair
+    (tmp_path / "correction").mkdir()
+    (tmp_path / "student").mkdir()
+    corrected = _distill_recipe(dense, tmp_path / "correction", real_text, config="pretrain/teacher_correction.yaml")
+
+    (stage,) = json.loads((corrected.output / HISTORY_FILE).read_text())
+    assert stage["distillation"] is None and stage["started_from"] == "dense" and stage["trained"] == "all"
+    assert json.loads((corrected.output / "config.json").read_text())["model_type"] == "llama"
+    before, after = load_file(dense / "model.safetensors"), load_file(corrected.output / "model.safetensors")
+    assert before.keys() == after.keys() and not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    # The corrected folder teaches in place of the source the student records.
+    flags = ["--teacher_model_name_or_path", str(corrected.output)]
+    student = _distill_recipe(moe, tmp_path / "student", real_text, *flags)
+    (stage,) = json.loads((student.output / HISTORY_FILE).read_text())
+    assert stage["distillation"]["teacher"] == "out"
+    assert all("distill_kl" in line for line in student.log_history if "loss" in line)
+
+
+def test_default_names_the_built_in_dense_model_for_continual_pretraining(smollm2_path):
+    args = ContinualPretrainArguments(model_name_or_path="default", domains=["prose=x.jsonl"])
+    assert Path(args.model_name_or_path) == smollm2_path
 
 
 def test_train_moe_only_keeps_every_other_weight_as_converted(pair, tmp_path, real_text):

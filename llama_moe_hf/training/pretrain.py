@@ -39,7 +39,12 @@ MIXTURE_STATE = "domain_mixture.json"  # in each checkpoint: the sampling weight
 
 @dataclass
 class ContinualPretrainArguments:
-    model_name_or_path: str = field(metadata={"help": "converted checkpoint folder (or Hub id) to train"})
+    model_name_or_path: str = field(
+        metadata={
+            "help": "checkpoint folder or Hub id to train: a converted MoE, or a dense model (teacher correction); "
+            "default: the built-in dense model"
+        }
+    )
     domains: list[str] = field(metadata={"help": "NAME=PATH per domain (text/JSON lines/parquet file or folder)"})
     held_out: list[str] | None = field(
         default=None, metadata={"help": "NAME=PATH held-out text per domain (default: held_out_fraction of it)"}
@@ -102,6 +107,12 @@ class ContinualPretrainArguments:
             "from the newest complete one)"
         },
     )
+
+    def __post_init__(self):
+        from ..loading import DEFAULT_MODEL, model_folder
+
+        if self.model_name_or_path == DEFAULT_MODEL:  # its folder; the card and history name the folder, not the path
+            self.model_name_or_path = str(model_folder(DEFAULT_MODEL))
 
 
 class MixtureTrainer(
