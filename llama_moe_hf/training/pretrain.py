@@ -42,7 +42,7 @@ class ContinualPretrainArguments:
     model_name_or_path: str = field(
         metadata={
             "help": "checkpoint folder or Hub id to train: a converted MoE, or a dense model (teacher correction); "
-            "default: the built-in dense model"
+            "`default` is the built-in dense model"
         }
     )
     domains: list[str] = field(metadata={"help": "NAME=PATH per domain (text/JSON lines/parquet file or folder)"})
