@@ -13,12 +13,20 @@ import numpy as np
 import pytest
 import torch
 from helpers import load_as_remote_code, logits, token_batch
+from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
 from llama_moe_hf.training.checkpoint import HISTORY_FILE
-from llama_moe_hf.training.mixture import load_domain, resolve_weights, sheared_llama_update
+from llama_moe_hf.training.mixture import (
+    DomainData,
+    DomainMixture,
+    DomainWeights,
+    load_domain,
+    resolve_weights,
+    sheared_llama_update,
+)
 from llama_moe_hf.training.offline_data import OfflineDataOptions, build_offline_data
 from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
 from llama_moe_hf.training.sampling import domain_losses
@@ -111,6 +119,22 @@ def test_sheared_llama_update_moves_weight_to_the_domain_above_its_reference():
     np.testing.assert_allclose(below, weights)  # no excess anywhere: nothing moves
     smoothed = sheared_llama_update(np.array([1.0 - 1e-12, 1e-12]), [9.0, 0.0], [0.0, 0.0], smoothing=0.1)
     assert smoothed[1] >= 0.05  # the smoothing keeps every domain sampled
+
+
+def test_the_block_stream_does_not_depend_on_the_batch_size():
+    """What teacher correction relies on (docs/training.md): with the same seed and mix, a run in batches of 2 trains
+    on exactly the blocks, in the same order, of a run in batches of 4 with half the steps."""
+    blocks = torch.arange(3 * 10 * 4).reshape(3, 10, 4)  # 3 domains of 10 blocks of 4 tokens, every block distinct
+    domains = [DomainData(name, train, train[:1]) for name, train in zip("abc", blocks)]
+
+    def trained_blocks(batch_size: int, steps: int) -> torch.Tensor:
+        mixture = DomainMixture(domains, DomainWeights(list("abc"), np.array([0.25, 0.25, 0.5])), seed=3)
+        loader = iter(DataLoader(mixture, batch_size=batch_size))
+        return torch.cat([next(loader)["input_ids"] for _ in range(steps)])
+
+    in_fours = trained_blocks(4, 12)  # 48 draws from domains of 10 blocks: passes and reshuffles included
+    assert torch.equal(trained_blocks(2, 24), in_fours) and torch.equal(trained_blocks(1, 48), in_fours)
+    assert len({tuple(block.tolist()) for block in in_fours}) > 10  # blocks of several domains, not one repeated
 
 
 def test_dynamic_sampling_raises_the_weight_of_the_domain_with_more_excess_loss(tiny_moe_path, tmp_path):
