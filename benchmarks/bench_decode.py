@@ -6,6 +6,10 @@ both alike. Batch 1, float32, greedy, a chat prompt. Decoding: `generate` with a
 Prefill: one forward of 512 tokens with a cache, keeping the last token's logits (what `generate` does first).
 `--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
 inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
+With `--compile` (CPU) it splits a compiled step by what runs instead, from torch.profiler over `generate`: inductor's
+generated kernels, aten calls (external kernels such as attention and top-k, and allocations), Dynamo's guard checks
+before each call, the Python of the compiled graph's wrapper that launches its kernels, and the rest (`generate`'s
+own Python and what the profiler does not see), over the steps after the prefill.
 
 In float32 on CPU every model's linear layers run on every thread where that pays (`llama_moe_hf.lm_head`: in eager
 mode the LM head through oneDNN, as `llama-moe chat` runs it; compiled, every `Linear` at one row as an inductor
@@ -26,6 +30,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
     python benchmarks/bench_decode.py --processes 1 --profile
     python benchmarks/bench_decode.py --threaded none          # torch's one-thread products (no llama_moe_hf.lm_head)
     python benchmarks/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
+    python benchmarks/bench_decode.py --compile --profile      # and where a compiled step goes
     python benchmarks/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
     python benchmarks/bench_decode.py --device cuda --dtype bfloat16 --compile --compile-mode reduce-overhead
 """
@@ -89,6 +94,8 @@ def measure(args) -> dict:
         return args.prefill_tokens
 
     results = {"copy_gb_s": copy_bandwidth(args.device, synchronize), "step_bytes": step_bytes}
+    if args.profile and args.compile:  # name inductor's kernels in the profile (set before anything compiles)
+        torch._inductor.config.cpp.enable_kernel_profile = True
     with torch.inference_mode():
         for name, model in models.items() if args.compile else ():
             eager_tokens = greedy_tokens(model)  # a dynamic cache, never compiled
@@ -108,7 +115,15 @@ def measure(args) -> dict:
                     if round_idx >= args.warmup:
                         rates[model_name].append(tokens / (time.perf_counter() - start))
             results[name] = {model: statistics.median(values) for model, values in rates.items()}
-        if args.profile:
+        if args.profile and args.compile:
+            with torch.compiler.set_stance("fail_on_recompile"):  # the graphs of the timed rounds, no other
+                results["profile_ms"] = {
+                    name: compiled_step_profile(
+                        lambda streamer: greedy_tokens(model, streamer=streamer, **generate_kwargs)
+                    )
+                    for name, model in models.items()
+                }
+        elif args.profile:
             results["profile_ms"] = {name: step_profile(model, prompt["input_ids"]) for name, model in models.items()}
     return results
 
@@ -212,6 +227,47 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
     return profile
 
 
+def compiled_step_profile(generate) -> dict:
+    """Milliseconds per compiled decoding step by what runs (module docstring), from torch.profiler's self times over
+    `generate(streamer)` from its first new token on: every step after the prefill."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.generation.streamers import BaseStreamer
+
+    class AfterPrefill(BaseStreamer):  # `put` gets the prompt, then each new token
+        def __init__(self):
+            self.puts, self.profiler = 0, profile(activities=[ProfilerActivity.CPU])
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 2:  # the first new token: the prefill is done
+                self.start = time.perf_counter()
+                self.profiler.start()
+
+        def end(self):
+            self.profiler.stop()
+            self.wall_ms = (time.perf_counter() - self.start) * 1e3
+
+    def kind(name: str) -> str:
+        if name.startswith("graph_"):  # inductor's kernels, named by `cpp.enable_kernel_profile`
+            return "generated kernels"
+        if name.startswith("aten::"):
+            return "aten calls"
+        if name == "TorchDynamo Cache Lookup":
+            return "guards"
+        return "graph wrapper" if name.startswith("## Call CompiledFxGraph") else "other profiled"
+
+    streamer = AfterPrefill()
+    generate(streamer)
+    spent = collections.Counter()
+    for event in streamer.profiler.key_averages():
+        spent[kind(event.key)] += event.self_cpu_time_total / 1e3
+    spent["rest"] = streamer.wall_ms - sum(spent.values())
+    spent["step"] = streamer.wall_ms
+    return {name: ms / (streamer.puts - 2) for name, ms in spent.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=3)
@@ -223,7 +279,10 @@ def main():
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--profile", action="store_true", help="also time one decoding step by module kind")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also time one decoding step by module kind (with --compile: by generated kernels, guards and wrapper)",
+    )  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward, static cache")
     parser.add_argument(
         "--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
@@ -241,6 +300,8 @@ def main():
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile and args.compile and args.device != "cpu":
+        parser.error("--profile with --compile splits a CPU step (kernels run asynchronously on a GPU)")
     if args.worker:
         print(json.dumps(measure(args)))
         return
@@ -271,6 +332,18 @@ def main():
     for run in runs if args.profile else []:
         for model, profile in run["profile_ms"].items():
             print(f"  {model} step: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in profile.items()))
+        if args.compile:
+            print_kernel_ratio(run["profile_ms"], compared)
+
+
+def print_kernel_ratio(profile_ms: dict, compared: list[str]) -> None:
+    """A compiled step's kernels (generated and aten) apart from the time around them, MoE against dense."""
+    kernels = {name: ms["generated kernels"] + ms["aten calls"] for name, ms in profile_ms.items()}
+    for name in compared:
+        around = {model: profile_ms[model]["step"] - kernels[model] for model in ("dense", name)}
+        ratio = kernels["dense"] / kernels[name]
+        print(f"  kernels dense / {name}: {kernels['dense']:.2f} / {kernels[name]:.2f} ms = {ratio:.2f}x; "
+              f"around them {around['dense']:.2f} / {around[name]:.2f} ms")  # fmt: skip
 
 
 def print_bandwidth_table(runs: list[dict], names: list[str]) -> None:
