@@ -297,10 +297,9 @@ def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
     cache = DynamicCache(config=model.config)
     model(input_ids, cache=cache, use_cache=True)
     expected_step = model(expected[:, 6:7], cache=copy.deepcopy(cache), use_cache=True).logits
-    calls = []
-    for name in ("compiled_silu_reduction", "compiled_silu_mlp"):  # the routed experts' kernel, the shared ones'
-        kernel = getattr(modeling_llama_moe, name)
-        monkeypatch.setattr(modeling_llama_moe, name, lambda k=kernel, n=name: lambda *a: calls.append(n) or k()(*a))
+    calls, compiled = [], modeling_llama_moe.compiled  # the routed experts' kernel and the shared ones', by name
+    counted = lambda kernel: lambda *a: calls.append(kernel.__name__) or compiled(kernel)(*a)  # noqa: E731
+    monkeypatch.setattr(modeling_llama_moe, "compiled", counted)
     model.set_experts_implementation("llama_moe_cpu_compiled")
     monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])  # where a failed compile says why
     assert torch.equal(model.generate(input_ids, **kwargs), expected)
@@ -309,7 +308,7 @@ def test_the_compiled_cpu_decoding_kernel_decodes_as_llama_moe_cpu(monkeypatch):
     step = model(expected[:, 6:7], cache=cache, use_cache=True).logits
     assert not modeling_llama_moe._COMPILE_FAILED
     steps = 2 * (2 * 7 + 1)  # two generations of 7 decoding steps, and one step, in 2 layers
-    assert calls.count("compiled_silu_reduction") == calls.count("compiled_silu_mlp") == steps
+    assert calls.count("silu_indexed_reduction") == calls.count("silu_mlp_reduction") == steps
     torch.testing.assert_close(step, expected_step, atol=1e-5, rtol=1e-4)
 
 
@@ -331,8 +330,7 @@ def test_the_compiled_cpu_decoding_kernel_is_left_out_where_it_does_not_apply_or
     def kernel(*_):
         raise failure[0]
 
-    monkeypatch.setattr(modeling_llama_moe, "compiled_silu_reduction", lambda: kernel)
-    monkeypatch.setattr(modeling_llama_moe, "compiled_silu_mlp", lambda: kernel)
+    monkeypatch.setattr(modeling_llama_moe, "compiled", lambda _: kernel)
     monkeypatch.setattr(modeling_llama_moe, "_COMPILE_FAILED", [])
     torch.testing.assert_close(forward(experts, *one), cpu(experts, *one))  # autograd on: not tried
     with torch.no_grad():

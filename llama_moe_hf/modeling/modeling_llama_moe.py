@@ -534,12 +534,6 @@ def silu_indexed_reduction(gate_up_proj, down_proj, hidden_states, top_k_index, 
     return indexed_reduction(gate_up_proj, down_proj, hidden_states, top_k_index, top_k_weights, F.silu)
 
 
-@functools.cache
-def compiled_silu_reduction():
-    """`silu_indexed_reduction` compiled (on first use): the eager-mode decoding kernel of `llama_moe_cpu_compiled`."""
-    return torch.compile(silu_indexed_reduction, fullgraph=True)
-
-
 def silu_mlp_reduction(gate_proj, up_proj, down_proj, hidden_states) -> torch.Tensor:
     """`[T, H]`: a SwiGLU MLP (`gate_proj`, `up_proj` `[m, H]`, `down_proj` `[H, m]`) as products and sums, which
     inductor runs on every thread: `llama_moe_cpu_compiled`'s kernel for the shared experts."""
@@ -549,9 +543,10 @@ def silu_mlp_reduction(gate_proj, up_proj, down_proj, hidden_states) -> torch.Te
 
 
 @functools.cache
-def compiled_silu_mlp():
-    """`silu_mlp_reduction` compiled (on first use)."""
-    return torch.compile(silu_mlp_reduction, fullgraph=True)
+def compiled(kernel):
+    """`kernel` compiled by inductor on first use: `llama_moe_cpu_compiled`'s eager-mode decoding kernels
+    (`silu_indexed_reduction` for the routed experts, `silu_mlp_reduction` for the shared ones)."""
+    return torch.compile(kernel, fullgraph=True)
 
 
 _SILU_TYPES = (nn.SiLU, type(ACT2FN["silu"]))  # "silu" and "swish"
@@ -574,11 +569,11 @@ def compiled_decoding_applies(config, hidden_states: torch.Tensor, act_fn) -> bo
 
 
 def run_compiled(kernel, *inputs: torch.Tensor) -> torch.Tensor | None:
-    """`kernel()(*inputs)` (the weights among `inputs` detached: plain inputs, so no guard on requires_grad and
-    shapes that may become dynamic), or None where it did not run: past Dynamo's recompile limit (for this call), or
-    when compiling failed (said once; no compiled kernel runs in this process from then on)."""
+    """`compiled(kernel)(*inputs)` (the weights among `inputs` detached: plain inputs, so no guard on requires_grad
+    and shapes that may become dynamic), or None where it did not run: past Dynamo's recompile limit (for this call),
+    or when compiling failed (said once; no compiled kernel runs in this process from then on)."""
     try:
-        return kernel()(*inputs)
+        return compiled(kernel)(*inputs)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         return None
     except Exception as error:  # noqa: BLE001 - inductor fails in many ways; the eager path is exact
@@ -599,7 +594,7 @@ def llama_moe_cpu_compiled_experts_forward(self: LlamaMoEExperts, hidden_states,
     output = None
     if not self._is_expert_parallel and compiled_decoding_applies(self.config, hidden_states, self.act_fn):
         weights = (self.gate_up_proj.detach(), self.down_proj.detach())
-        output = run_compiled(compiled_silu_reduction, *weights, hidden_states, top_k_index, top_k_weights)
+        output = run_compiled(silu_indexed_reduction, *weights, hidden_states, top_k_index, top_k_weights)
     if output is None:
         output = llama_moe_auto_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return output
@@ -654,7 +649,7 @@ class LlamaMoESharedExperts(nn.Module):
         if compiled_decoding_applies(self.config, hidden_states, self.act_fn) and all(
             type(p) is nn.Linear for p in projections
         ):  # plain layers only: an adapter's (LoRA) weights are not in `.weight`
-            output = run_compiled(compiled_silu_mlp, *(p.weight.detach() for p in projections), hidden_states)
+            output = run_compiled(silu_mlp_reduction, *(p.weight.detach() for p in projections), hidden_states)
             if output is not None:
                 return output
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
