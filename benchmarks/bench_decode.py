@@ -2,7 +2,9 @@
 
 The dense SmolLM2-135M-Instruct and the same model split into 8 experts with top-2 routing (`build_moe`, random
 split, random router) run side by side in each process, interleaved round by round so that machine load falls on
-both alike. Batch 1, float32, greedy, a chat prompt. Decoding: `generate` with a fixed number of new tokens.
+both alike. Batch 1, float32, greedy, a chat prompt. Decoding: `generate` with a fixed number of new tokens, timed
+whole (the prompt's prefill included) and from its first new token on (the decoding steps alone, as llama.cpp's "eval"
+counts them; a streamer notes when each token comes).
 Prefill: one forward of 512 tokens with a cache, keeping the last token's logits (what `generate` does first).
 `--profile` also times one decoding step by module: attention, MLP (for the MoE model also its router and experts
 inside it), norms, LM head, and the rest (embedding, rotary, masks, cache bookkeeping, Python between modules).
@@ -85,13 +87,14 @@ def measure(args) -> dict:
         new = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
         return model.generate(**prompt, **new, do_sample=False, **kwargs)
 
-    def decode(model):
-        greedy_tokens(model, **generate_kwargs)
-        return args.new_tokens
+    def decode(model):  # new tokens, and tokens/s after the first
+        clock = TokenClock()
+        greedy_tokens(model, streamer=clock, **generate_kwargs)
+        return args.new_tokens, clock.step_rate()
 
     def prefill(model):
         model(input_ids=long_input, logits_to_keep=1, use_cache=True)
-        return args.prefill_tokens
+        return args.prefill_tokens, None
 
     results = {"copy_gb_s": copy_bandwidth(args.device, synchronize), "step_bytes": step_bytes}
     if args.profile and args.compile:  # name inductor's kernels in the profile (set before anything compiles)
@@ -105,16 +108,19 @@ def measure(args) -> dict:
             results.setdefault("compiled_equals_eager", {})[name] = torch.equal(compiled_tokens, eager_tokens)
         tasks = (("decode", decode),) if args.compile else (("decode", decode), ("prefill", prefill))
         for name, task in tasks:
-            rates = {model: [] for model in models}
+            rates, step_rates = {model: [] for model in models}, {model: [] for model in models}
             for round_idx in range(args.warmup + args.rounds):
                 for model_name, model in models.items():
                     synchronize()
                     start = time.perf_counter()
-                    tokens = task(model)
+                    tokens, step_rate = task(model)
                     synchronize()
                     if round_idx >= args.warmup:
                         rates[model_name].append(tokens / (time.perf_counter() - start))
+                        step_rates[model_name].append(step_rate)
             results[name] = {model: statistics.median(values) for model, values in rates.items()}
+            if name == "decode":
+                results["decode_steps"] = {model: statistics.median(values) for model, values in step_rates.items()}
         if args.profile and args.compile:
             with torch.compiler.set_stance("fail_on_recompile"):  # the graphs of the timed rounds, no other
                 results["profile_ms"] = {
@@ -227,27 +233,43 @@ def step_profile(model, input_ids, steps: int = 30) -> dict:
     return profile
 
 
+class TokenClock:
+    """A `generate` streamer that notes when each token comes: `put` gets the prompt, then each new token."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def step_rate(self) -> float:
+        """Tokens/s after the first new token: the decoding steps alone, without the prefill."""
+        return (len(self.times) - 2) / (self.times[-1] - self.times[1])
+
+
 def compiled_step_profile(generate) -> dict:
     """Milliseconds per compiled decoding step by what runs (module docstring), from torch.profiler's self times over
     `generate(streamer)` from its first new token on: every step after the prefill."""
     import collections
 
     from torch.profiler import ProfilerActivity, profile
-    from transformers.generation.streamers import BaseStreamer
 
-    class AfterPrefill(BaseStreamer):  # `put` gets the prompt, then each new token
+    class AfterPrefill(TokenClock):
         def __init__(self):
-            self.puts, self.profiler = 0, profile(activities=[ProfilerActivity.CPU])
+            super().__init__()
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
 
         def put(self, value):
-            self.puts += 1
-            if self.puts == 2:  # the first new token: the prefill is done
-                self.start = time.perf_counter()
+            super().put(value)
+            if len(self.times) == 2:  # the first new token: the prefill is done
                 self.profiler.start()
 
         def end(self):
             self.profiler.stop()
-            self.wall_ms = (time.perf_counter() - self.start) * 1e3
+            self.wall_ms = (time.perf_counter() - self.times[1]) * 1e3
 
     def kind(name: str) -> str:
         if name.startswith("graph_"):  # inductor's kernels, named by `cpp.enable_kernel_profile`
@@ -265,7 +287,7 @@ def compiled_step_profile(generate) -> dict:
         spent[kind(event.key)] += event.self_cpu_time_total / 1e3
     spent["rest"] = streamer.wall_ms - sum(spent.values())
     spent["step"] = streamer.wall_ms
-    return {name: ms / (streamer.puts - 2) for name, ms in spent.items()}
+    return {name: ms / (len(streamer.times) - 2) for name, ms in spent.items()}
 
 
 def main():
@@ -322,7 +344,12 @@ def main():
     if args.compile:
         equal = [run["compiled_equals_eager"] for run in runs]
         print("compiled greedy tokens equal the eager model's (static cache), per process:", equal)
-    for task, unit in (("decode", f"{args.new_tokens} new tokens"), ("prefill", f"{args.prefill_tokens} tokens")):
+    timed = (
+        ("decode", f"{args.new_tokens} new tokens"),
+        ("decode_steps", "the steps after the first new token"),
+        ("prefill", f"{args.prefill_tokens} tokens"),
+    )
+    for task, unit in timed:
         for name in compared if task in runs[0] else []:  # compiled runs time decoding only
             ratios = [run[task][name] / run[task]["dense"] for run in runs]
             cells = ", ".join(f"{run[task]['dense']:.1f} / {run[task][name]:.1f}" for run in runs)
@@ -347,17 +374,24 @@ def print_kernel_ratio(profile_ms: dict, compared: list[str]) -> None:
 
 
 def print_bandwidth_table(runs: list[dict], names: list[str]) -> None:
-    """Median decode tokens/s per model, its ratio to dense, and the share of its bandwidth limit it reaches."""
+    """Median decode tokens/s per model (all of `generate`, and its steps after the first new token), the ratios to
+    dense, and the share of its bandwidth limit it reaches."""
     bandwidth = statistics.median(run["copy_gb_s"] for run in runs)
     print(f"copy bandwidth {bandwidth:.1f} GB/s (median of the processes)")
-    print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense | share of limit |")
-    print("|---|---|---|---|---|---|")
-    dense = statistics.median(run["decode"]["dense"] for run in runs)
+    print(
+        "| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense | share of limit "
+        "| after the first token, tokens/s | vs dense |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    dense, dense_steps = (statistics.median(run[task]["dense"] for run in runs) for task in ("decode", "decode_steps"))
     for name in names:
-        rate = statistics.median(run["decode"][name] for run in runs)
+        rate, steps = (statistics.median(run[task][name] for run in runs) for task in ("decode", "decode_steps"))
         megabytes = runs[0]["step_bytes"][name] / 1e6
         limit = bandwidth * 1e3 / megabytes
-        print(f"| {name} | {megabytes:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | {rate / limit:.0%} |")
+        print(
+            f"| {name} | {megabytes:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | {rate / limit:.0%} "
+            f"| {steps:.1f} | {steps / dense_steps:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
