@@ -27,7 +27,7 @@ setup(
     # Everything the documented commands' default paths import; what only an option needs is an extra, and the
     # command refuses that option at once, before any model is loaded, naming the extra (llama_moe_hf/preflight.py).
     install_requires=[
-        "torch>=2.9",
+        "torch>=2.13",  # tests/other_ends.py runs the smoke tests on the newest; CI runs the suite on 2.13.0
         "transformers" + CONSTANTS["TRANSFORMERS_REQUIREMENT"],
         "safetensors>=0.8",
         "huggingface_hub>=2.4",

@@ -45,7 +45,8 @@ def load_model(
     download: Callable = None,
 ):
     """(model in eval mode on `device`, tokenizer, local folder) for `spec` (see `model_folder`). `dtype="auto"` keeps
-    the checkpoint's dtype."""
+    the checkpoint's dtype on an accelerator and computes in float32 on a CPU, where bfloat16 decoding without bf16
+    units ran 2.3x slower (docs/benchmarks.md)."""
     from transformers import AutoModelForCausalLM
 
     from .checkpoints.folder import TOKENIZER_FILES, read_tokenizer
@@ -61,8 +62,11 @@ def load_model(
         )
     check_weights(folder)
     tokenizer = read_tokenizer(folder, trust_remote_code=trust_remote_code)
+    device = device or default_device()
+    if dtype == "auto" and str(device).startswith("cpu"):
+        dtype = "float32"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model.to(device or default_device()).eval(), tokenizer, folder
+    return model.to(device).eval(), tokenizer, folder
 
 
 def parameter_counts(model) -> tuple[int, int]:

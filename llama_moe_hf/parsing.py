@@ -36,6 +36,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return help
         return super()._get_help_string(action)
 
+    def _format_action_invocation(self, action):
+        # HfArgumentParser accepts `--a_b` and `--a-b`; the help shows the first spelling only (`hyphenate` orders them)
+        spellings = action.option_strings
+        if len(spellings) == 2 and spellings[0].replace("_", "-") == spellings[1].replace("_", "-"):
+            action = copy.copy(action)
+            action.option_strings = spellings[:1]
+        return super()._format_action_invocation(action)
+
     def _fill_text(self, text, width, indent):
         return "\n".join(
             line if line[:1].isspace() else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
@@ -51,7 +59,7 @@ class Parser(TrlParser):
         if self.dataclass_types:  # TRL reads --config before parsing; listed here so that --help shows it
             self.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=CONFIG_HELP)
         negations = [a for a in self._actions if isinstance(a, argparse._StoreFalseAction)]
-        flags = {a.dest: a.option_strings[-1] for a in self._actions if a.option_strings and a not in negations}
+        flags = {a.dest: a.option_strings[0] for a in self._actions if a.option_strings and a not in negations}
         for action in negations:  # HfArgumentParser gives `--no_X` the help of `--X`
             if action.dest in flags:
                 action.help = f"turn {flags[action.dest]} off"
@@ -92,6 +100,7 @@ class Parser(TrlParser):
         path, args = parser._take_config(args)
         if path is not None:
             parser._apply_config(path)
+        args = self._save_strategy(args)
         try:  # the preflight, then the dataclasses' own checks (TrainingArguments' FSDP settings, ...)
             if self.preflight is not None:
                 self.preflight(self.parse_known_args(args)[0])
@@ -104,8 +113,25 @@ class Parser(TrlParser):
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
                 name = next((arg for arg in args if not arg.startswith("-")), None)
+                if name is not None and name not in action.choices:
+                    self.error(f"unknown command {name!r}; the commands are {', '.join(action.choices)}")
                 return action.choices.get(name, self)
         return self
+
+    def _save_strategy(self, args: list[str]) -> list[str]:
+        """`--save_steps` / `--save_total_limit` given while the recipe file says `save_strategy: no` switch it to
+        "steps" (said on stderr); with `--save_strategy no` given too they contradict it: one error line."""
+        if "--save_strategy" not in self._option_string_actions:
+            return args
+        given = {arg.split("=", 1)[0][2:].replace("-", "_") for arg in args if arg.startswith("--")}
+        asks = [name for name in ("save_steps", "save_total_limit") if name in given]
+        if not asks or str(self.parse_known_args(args)[0].save_strategy) != "no":
+            return args
+        flags = " and ".join(f"--{name}" for name in asks)
+        if "save_strategy" in given:
+            self.error(f"{flags} cannot go with --save_strategy no (no checkpoint is written): drop one")
+        print(f"note: {flags} given, so save_strategy is 'steps' (the recipe file says 'no')", file=sys.stderr)
+        return [*args, "--save_strategy", "steps"]
 
     def _take_config(self, args: list[str]) -> tuple[str | None, list[str]]:
         """(the `--config FILE` / `--config=FILE` path, the other arguments)."""
@@ -133,6 +159,18 @@ class Parser(TrlParser):
                 close = difflib.get_close_matches(key, actions, n=1)
                 self.error(f"{path}: unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
             actions[key].default, actions[key].required = value, False
+
+
+def hyphenate(parser: argparse.ArgumentParser) -> None:
+    """Make `--a-b` the spelling that `parser` and its subcommands show (usage, help, errors) where a flag also
+    accepts `--a_b`: the `llama-moe` command's spelling. The training recipes keep transformers' `--a_b`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                hyphenate(subparser)
+        action.option_strings.sort(key=lambda option: "_" in option)
+        if action.help and action.help.startswith("turn --"):  # a negation's help names the flag it turns off
+            action.help = "turn --" + action.help[len("turn --") :].replace("_", "-")
 
 
 def end_process_group() -> bool:

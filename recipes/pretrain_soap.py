@@ -48,6 +48,9 @@ from llama_moe_hf.text.documents import load_texts
 from llama_moe_hf.text.tokens import document_tokens, pack
 from llama_moe_hf.training.checkpoint import save_complete_checkpoint, stage_record
 from llama_moe_hf.training.distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
+from llama_moe_hf.training.footprint import FORCE_HELP
+from llama_moe_hf.training.memory import moe_config
+from llama_moe_hf.training.memory_check import check_recipe_memory
 from llama_moe_hf.training.resume import (
     LATEST,
     NEVER,
@@ -86,6 +89,7 @@ class SoapPretrainArguments:
         default=False,
         metadata={"help": "start at step 0 and remove what an earlier run left in output_dir (default: resume)"},
     )
+    force: bool = field(default=False, metadata={"help": FORCE_HELP})
 
 
 def load_data(args: SoapPretrainArguments, tokenizer) -> tuple[Dataset, Dataset]:
@@ -110,7 +114,11 @@ def _sequences(texts, order, tokenizer, seq_len: int, limit: int | None = None) 
 
 def dense_model(args: SoapPretrainArguments, tokenizer, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaForCausalLM(dense_config(args, tokenizer))
+
+
+def dense_config(args, tokenizer) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
@@ -122,7 +130,6 @@ def dense_model(args: SoapPretrainArguments, tokenizer, seed: int) -> LlamaForCa
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return LlamaForCausalLM(config)
 
 
 class RoutingTrainer(DistributedTrainingMixin, BalanceLossWeightMixin, ResumableCheckpointsMixin, Trainer):
@@ -191,6 +198,15 @@ def warm_up(model, args, training: TrainingArguments, train: Dataset, steps: int
     return seconds
 
 
+def largest_config(args: SoapPretrainArguments, tokenizer):
+    """The config of the model the run holds the most memory for: the upcycled one (SOAP), else the dense one."""
+    config = dense_config(args, tokenizer)
+    if args.variant != "soap":
+        return config
+    options = {"segment_length": args.segment_length, "merge_top_k": args.merge_top_k}
+    return moe_config(config, family="soap_moe", num_experts=args.num_experts, **options)
+
+
 def upcycle(model: LlamaForCausalLM, args: SoapPretrainArguments) -> SoapMoEForCausalLM:
     options = {"segment_length": args.segment_length, "merge_top_k": args.merge_top_k}
     if args.upcycle_noise:
@@ -208,6 +224,7 @@ def pretrain(args: SoapPretrainArguments, training: TrainingArguments) -> None:
     asked = training.resume_from_checkpoint
     start_over = args.overwrite_output_dir or (asked is not None and str(asked).lower() in NEVER)
     tokenizer = load_tokenizer(args.tokenizer)
+    check_recipe_memory(largest_config(args, tokenizer), args.seq_len, None, training, args)
     train, validation = load_data(args, tokenizer)
     with training.main_process_first(desc="removing the stages of an earlier run"):  # once the data were read
         if start_over and training.process_index == 0:

@@ -85,6 +85,11 @@ def test_config_of_a_command_without_options_file_is_refused(capsys):
     assert "--config: this command takes no options file" in one_error_line(capsys)
 
 
+def test_an_unknown_command_is_named(capsys):
+    assert main(["merge", "--config", "x.yaml"]) == 2
+    assert one_error_line(capsys).startswith("error: unknown command 'merge'; the commands are convert, heal,")
+
+
 # A dense folder without a tokenizer ---------------------------------------------------------------------------------
 
 
@@ -157,16 +162,18 @@ def test_help_describes_the_flags_as_typed(command, capsys):
     assert main([command, "--help"]) == 0
     text = capsys.readouterr().out
     assert "(default: None)" not in text and "(default: [])" not in text
-    for flag, help in re.findall(r"--no_(\w+), --no-[\w-]+\s+(.*)", text):
-        assert help == f"turn --{flag.replace('_', '-')} off", (flag, help)
+    assert not re.search(r"--\w+_\w+", text)  # one spelling, the one the docs write: --num-experts, --no-eval
+    for flag, help in re.findall(r"--no-([\w-]+)\s+(turn .*)", text):
+        assert help == f"turn --{flag} off", (flag, help)
     assert ("--config FILE" in text) == (command in OPTIONS_FILE_COMMANDS)
 
 
 def test_help_of_convert_and_push(capsys):
     assert main(["convert", "--help"]) == 0
     text = capsys.readouterr().out
-    assert re.search(r"--no_progress, --no-progress\s+turn --progress off", text)
-    assert re.search(r"--no_eval, --no-eval\s+turn --eval off", text)
+    assert re.search(r"\n  --no-progress\s+turn --progress off", text)
+    assert re.search(r"\n  --no-eval\s+turn --eval off", text)
+    assert "[--num-experts NUM_EXPERTS] [--top-k TOP_K]" in text
     assert re.search(r"--config FILE\s+a YAML file of these options", text)
     assert main(["push", "--help"]) == 0
     assert "Hugging Face token (default: the logged-in one)\n" in capsys.readouterr().out
@@ -176,7 +183,9 @@ def test_help_of_convert_and_push(capsys):
 def test_recipes_help_lists_config_and_negated_flags(script, capsys):
     assert run_recipe(script, ["--help"]) == 0
     text = capsys.readouterr().out
-    assert "--config FILE" in text and re.search(r"--no_log_on_each_node, [\w-]+\s+turn --log-on-each-node off", text)
+    # transformers' spelling, as its own scripts and TRL's show it
+    assert "--config FILE" in text and re.search(r"\n  --no_log_on_each_node\s+turn --log_on_each_node off", text)
+    assert "--per_device_train_batch_size" in text and "--per-device-train-batch-size" not in text
 
 
 # Training-state and LoRA options of the recipes ---------------------------------------------------------------------

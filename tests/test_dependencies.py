@@ -120,3 +120,27 @@ def test_eval_tasks_without_lm_eval_installed_in_a_fresh_process(tiny_dense, tmp
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr == "error: --tasks needs lm-eval: pip install 'llama-moe-hf[eval]'\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_torch_floor_is_the_release_ci_tests():
+    """setup.py's lowest torch is the one CI installs first and runs the suite on (tests/other_ends.py takes the
+    newest): no release below it is claimed untested."""
+    floor = next(r for r in map(Requirement, importlib.metadata.requires("llama-moe-hf")) if r.name == "torch")
+    installed = re.search(r"torch==([\d.]+)", (ROOT / ".ci" / "run").read_text()).group(1)
+    assert str(floor.specifier) == f">={'.'.join(installed.split('.')[:2])}", (floor, installed)
+    readme = (ROOT / "README.md").read_text()
+    assert f"pip install torch=={installed}" in readme and "download.pytorch.org/whl/cpu" in readme
+
+
+def test_preparing_the_default_model_says_so_before_any_work(tmp_path, monkeypatch, capsys):
+    from llama_moe_hf.checkpoints import default
+
+    def fetch(workdir):
+        assert "Preparing the built-in default model" in capsys.readouterr().err  # before the download and loading
+        raise OSError("stop here")
+
+    monkeypatch.setattr(default, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(default, "_fetch_gguf", fetch)
+    with pytest.raises(OSError, match="stop here"):
+        default.default_model_path()
+    assert not any(tmp_path.iterdir())  # nothing half-prepared is left

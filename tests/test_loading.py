@@ -1,5 +1,5 @@
 """Commands that read a model (`chat`, `info`, `eval`, `analyze`) take a folder, a Hub id (through the download seam,
-as huggingface_hub's cache would give it) or `default`; `chat` computes in the checkpoint's dtype and streams."""
+as huggingface_hub's cache would give it) or `default`; `chat` computes in the checkpoint's dtype (float32 on a CPU) and streams."""
 
 import pytest
 import torch
@@ -28,10 +28,24 @@ def fake_download(folder, asked: list):
     return download
 
 
-def test_auto_dtype_is_the_checkpoints_own(tiny_folders):
-    assert load_model(str(tiny_folders["bf16"]))[0].dtype == torch.bfloat16
+def test_auto_dtype_is_the_checkpoints_own_except_on_a_cpu(tiny_folders, monkeypatch):
+    # On a CPU without bf16 units bfloat16 decodes 2.3x slower: `auto` computes in float32 there
+    assert load_model(str(tiny_folders["bf16"]), device="cpu")[0].dtype == torch.float32
+    assert load_model(str(tiny_folders["bf16"]), dtype="bfloat16")[0].dtype == torch.bfloat16
     assert load_model(str(tiny_folders["fp32"]))[0].dtype == torch.float32
-    assert load_model(str(tiny_folders["bf16"]), dtype="float32")[0].dtype == torch.float32
+    from transformers import AutoModelForCausalLM
+
+    class Loaded:  # stands in for a model on a GPU: only the dtype asked for matters
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+    asked = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, dtype, **k: asked.append(dtype) or Loaded())
+    load_model(str(tiny_folders["bf16"]), device="cuda:0")
+    assert asked == ["auto"]  # an accelerator: the checkpoint's own
     with pytest.raises(ValueError, match="--dtype must be one of"):
         load_model(str(tiny_folders["fp32"]), dtype="float8")
 
@@ -96,6 +110,27 @@ def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(
     assert run.stdout.split()[0] == "LlamaMoEForCausalLM"
     assert "[y/N]" not in run.stdout + run.stderr and "model of type" not in run.stderr
     assert run.stdout.split(maxsplit=1)[1].strip() == "[67, 68]"  # the character tokenizer: "a", "b"
+
+
+def test_what_the_card_says_of_autotokenizer_without_the_package(tiny_folders):
+    """AutoTokenizer reads the config first, which is remote code without the package: in a script with no input it
+    prints the prompt and transformers' warning, then loads the same tokenizer. The card says so in one line."""
+    import subprocess
+    import sys
+
+    from llama_moe_hf.hub.card import usage_section
+
+    script = (
+        "import sys; sys.modules['llama_moe_hf'] = None\n"
+        "from transformers import AutoTokenizer\n"
+        "print(AutoTokenizer.from_pretrained(sys.argv[1])('ab')['input_ids'])\n"
+    )
+    command = [sys.executable, "-c", script, str(tiny_folders["fp32"])]
+    run = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("[67, 68]"), run.stderr
+    assert "[y/N]" in run.stdout + run.stderr and "a model of type ``" in run.stderr
+    usage = " ".join(usage_section("me/model").split())
+    assert "it asks `[y/N]`, and in a script with no input it prints that prompt" in usage
 
 
 def test_hub_id_resolves_from_huggingface_hubs_local_cache(tiny_folders, tmp_path):

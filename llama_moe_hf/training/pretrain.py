@@ -20,7 +20,9 @@ from transformers import Trainer, TrainingArguments
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
+from .footprint import FORCE_HELP
 from .freezing import train_moe_only
+from .memory_check import check_recipe_memory
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
     DomainMixture,
@@ -107,6 +109,7 @@ class ContinualPretrainArguments:
             "from the newest complete one)"
         },
     )
+    force: bool = field(default=False, metadata={"help": FORCE_HELP})
 
     def __post_init__(self):
         from ..loading import DEFAULT_MODEL, model_folder
@@ -152,6 +155,7 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
 
     _check(args, training)
     teacher = _teacher(args, training)
+    check_recipe_memory(args.model_name_or_path, args.seq_len, teacher, training, args)
     tokenizer = read_tokenizer(args.model_name_or_path)
     domains = load_domains(args, tokenizer)
     names = [domain.name for domain in domains]

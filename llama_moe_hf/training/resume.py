@@ -31,6 +31,12 @@ class ResumableCheckpointsMixin:
     def save_extra_state(self, folder: Path) -> None:
         """Write what resuming needs besides the Trainer's state into `folder` (main process; default: nothing)."""
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # Tied weights are saved once (the LM head is the embedding), so the Trainer calls the other name missing and
+        # warns of a loss that did not happen; only keys that share no storage with a loaded one are missing.
+        missing = real_missing_keys(self.model, load_result.missing_keys)
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _save_checkpoint(self, model, trial) -> None:
         from transformers.trainer_utils import rotate_checkpoints
 
@@ -56,6 +62,15 @@ class ResumableCheckpointsMixin:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+
+def real_missing_keys(model, missing: list[str]) -> list[str]:
+    """The `missing` parameter names of `model` that share no storage with a parameter that was loaded."""
+    storages: dict[int, set[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        storages.setdefault(parameter.data_ptr(), set()).add(name)
+    absent = set(missing)
+    return [name for name in missing if not any(names - absent for names in storages.values() if name in names)]
 
 
 def run_shape(training) -> dict:

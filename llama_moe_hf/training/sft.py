@@ -14,8 +14,10 @@ from pathlib import Path
 
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
+from .footprint import FORCE_HELP
 from .freezing import freeze_routers
 from .lora import ADAPTER_FOLDER, is_peft_model, lora_config, save_adapter_and_merge
+from .memory_check import check_recipe_memory
 from .resume import ResumableCheckpointsMixin, resume_checkpoint
 
 DISTILL_CHOICES = ("none", "gkd", "on_policy")
@@ -66,6 +68,7 @@ class MoESFTArguments:
         default=False,
         metadata={"help": "with use_peft: train the routers in full (saved with the adapter) instead of freezing them"},
     )
+    force: bool = field(default=False, metadata={"help": FORCE_HELP})
 
 
 def dataset_name(path: str, data_files=None) -> str:
@@ -136,11 +139,12 @@ def build_sft_trainer(script_args, training, model_args, dataset_args, moe: MoES
     from ..checkpoints.folder import read_tokenizer
     from .distributed import start_deepspeed_comm
 
-    dataset, shares = _load_data(script_args, training, dataset_args)
     source, trust = model_args.model_name_or_path, training.trust_remote_code
     teacher = resolve_teacher(source, moe.teacher_model_name_or_path) if moe.distill != "none" else None
     if teacher is not None:  # before any model loads
         check_teacher(source, teacher)
+    check_recipe_memory(source, training.max_length or 1024, teacher, training, model_args, moe)
+    dataset, shares = _load_data(script_args, training, dataset_args)
     dtype = model_args.dtype if model_args.dtype not in (None, "auto") else torch.float32
     tokenizer = read_tokenizer(source, trust_remote_code=trust)  # before the model: a broken one fails at once
     start_deepspeed_comm(training)
