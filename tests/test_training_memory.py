@@ -130,3 +130,23 @@ def test_tied_embeddings_are_not_reported_missing_on_resume(tmp_path):
     assert real_missing_keys(model, ["lm_head.weight", "model.norm.weight"]) == ["model.norm.weight"]
     both = ["lm_head.weight", "model.embed_tokens.weight"]
     assert real_missing_keys(model, both) == both  # neither was loaded
+
+
+def test_zero_and_fsdp_shard_the_model_states():
+    accelerate = RECIPES / "accelerate"
+    strategies = [
+        memory_check.sharding(argparse.Namespace(deepspeed=str(accelerate / "ds_zero3.json"))),
+        memory_check.sharding(argparse.Namespace(deepspeed={"zero_optimization": {"stage": 2}})),
+        memory_check.sharding(argparse.Namespace(fsdp=["full_shard"])),
+        memory_check.sharding(argparse.Namespace()),
+    ]
+    assert strategies == ["zero3", "zero2", "fsdp2", "ddp"]
+    config = smollm2_135m_config()
+    counts = parameter_counts(config)
+    whole = estimate_footprint(counts, counts.total, config, ONE_K)
+    for strategy in ("zero3", "fsdp2"):
+        sharded = estimate_footprint(
+            counts, counts.total, config, dataclasses.replace(ONE_K, strategy=strategy, processes=8)
+        )
+        # ZeRO-3 keeps fp32 master weights beside the moments: 12 bytes a parameter, over 8 processes
+        assert sharded.optimizer < whole.optimizer / 4 and sharded.total < whole.total

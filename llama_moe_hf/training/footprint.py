@@ -124,11 +124,9 @@ def estimate_footprint(
     return Footprint(weights, gradients, optimizer, activations, teacher, OVERHEAD.get(device, OVERHEAD["cuda"]))
 
 
-def teacher_bytes(config, bytes_per_parameter: int, tokens: int) -> float:
-    """The teacher's weights and the logits of one micro-batch it keeps for the loss."""
-    from .memory import parameter_counts
-
-    return parameter_counts(config).total * bytes_per_parameter + tokens * config.vocab_size * 4
+def teacher_bytes(config, parameters: int, bytes_per_parameter: int, tokens: int) -> float:
+    """The teacher's weights (`parameters` of them) and the logits of one micro-batch it keeps for the loss."""
+    return parameters * bytes_per_parameter + tokens * config.vocab_size * 4
 
 
 def available_bytes(device: str) -> float:

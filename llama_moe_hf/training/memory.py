@@ -53,7 +53,7 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + self.working
 
 
-def _meta_model(config):
+def meta_model(config):
     """The causal LM of `config` on the meta device: shapes only, no memory, no download."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -64,13 +64,14 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def parameter_counts(config) -> ParameterCounts:
+def parameter_counts(config, model=None) -> ParameterCounts:
     """Total and active parameters of a dense LLaMA config or any of this package's MoE configs, exactly, from the
-    parameter shapes of a meta-device model (tied weights counted once)."""
+    parameter shapes of a meta-device model (`model`, or one built; tied weights counted once)."""
     from ..conversion.pipeline import count_parameters
     from ..conversion.registry import FAMILIES
 
-    shapes = {name: tuple(p.shape) for name, p in _meta_model(config).named_parameters()}
+    model = model if model is not None else meta_model(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if config.model_type in FAMILIES:
         total, active = count_parameters(config, shapes)
     else:  # dense: every parameter is used by every token

@@ -4,8 +4,10 @@ it exceeds the free memory, stop with one line naming the estimate, what is free
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
+from pathlib import Path
 
 from .footprint import (
     GIB,
@@ -29,13 +31,21 @@ def checkpointing(values) -> bool:
     return bool(getattr(values, "gradient_checkpointing", False))
 
 
+def sharding(values) -> str:
+    """How the run shards model states: "zero2" / "zero3" (DeepSpeed's ZeRO stage in `--deepspeed` or accelerate's
+    DeepSpeed config file), "fsdp2" (`--fsdp` or accelerate's FSDP), else "ddp" (a full copy per process)."""
+    deepspeed = getattr(values, "deepspeed", None) or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if deepspeed:
+        config = deepspeed if isinstance(deepspeed, dict) else json.loads(Path(deepspeed).read_text())
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        return "zero3" if stage == 3 else "zero2" if stage else "ddp"
+    if getattr(values, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return "fsdp2"
+    return "ddp"
+
+
 def run_settings(values, seq_len: int) -> RunSettings:
     """The settings of the parsed values (an argparse namespace of TrainingArguments fields)."""
-    strategy = "ddp"
-    if getattr(values, "deepspeed", None):
-        strategy = "zero3" if "3" in str(values.deepspeed) else "zero2"
-    elif getattr(values, "fsdp", None):
-        strategy = "fsdp2"
     return RunSettings(
         batch=values.per_device_train_batch_size,
         seq_len=seq_len,
@@ -43,8 +53,8 @@ def run_settings(values, seq_len: int) -> RunSettings:
         optimizer=str(getattr(values, "optim", "adamw_torch")),
         mixed_precision=bool(getattr(values, "bf16", False) or getattr(values, "fp16", False)),
         accumulation=values.gradient_accumulation_steps,
-        strategy=strategy,
-        processes=local_processes(),
+        strategy=sharding(values),
+        processes=int(os.environ.get("WORLD_SIZE", "1")),  # what ZeRO and FSDP shard over
     )
 
 
@@ -112,16 +122,19 @@ def estimate_run(config, values, seq_len: int, teacher=None, model=None):
     """(the run's `Footprint`, the free bytes it may use, its settings, a function estimating other settings).
     `teacher` is (its config, bytes per parameter); `model` the run's model on the meta device, when the caller has
     it (else built from `config`)."""
-    from .memory import _meta_model, parameter_counts
+    from .memory import meta_model, parameter_counts
 
-    model = model if model is not None else _meta_model(config)
-    counts, trainable = parameter_counts(config), trainable_parameters(model, values)
+    model = model if model is not None else meta_model(config)
+    counts, trainable = parameter_counts(config, model), trainable_parameters(model, values)
     settings, device = run_settings(values, seq_len), device_of(values)
-    share = settings.processes if device == "cpu" else 1  # CPU processes of one machine share its memory
+    share = local_processes() if device == "cpu" else 1  # CPU processes of one machine share its memory
     free = available_bytes(device) / share
 
+    taught_parameters = parameter_counts(teacher[0]).total if teacher else 0
+
     def estimate(candidate: RunSettings):
-        taught = teacher_bytes(teacher[0], teacher[1], candidate.batch * candidate.seq_len) if teacher else 0.0
+        tokens = candidate.batch * candidate.seq_len
+        taught = teacher_bytes(teacher[0], taught_parameters, teacher[1], tokens) if teacher else 0.0
         return estimate_footprint(counts, trainable, config, candidate, taught, device.split(":")[0])
 
     return estimate(settings), free, settings, estimate
