@@ -10,21 +10,24 @@ import importlib
 import importlib.abc
 import sys
 
-__version__ = "0.3.5"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
+__version__ = "0.3.6"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/test_structure.py)
 
 _EXPORTS = {
     "AttnMoEConfig": "llama_moe_hf.modeling",
     "AttnMoEForCausalLM": "llama_moe_hf.modeling",
+    "AttnMoEForQuestionAnswering": "llama_moe_hf.modeling",
     "AttnMoEForSequenceClassification": "llama_moe_hf.modeling",
     "AttnMoEForTokenClassification": "llama_moe_hf.modeling",
     "AttnMoEModel": "llama_moe_hf.modeling",
     "LlamaMoEConfig": "llama_moe_hf.modeling",
     "LlamaMoEForCausalLM": "llama_moe_hf.modeling",
+    "LlamaMoEForQuestionAnswering": "llama_moe_hf.modeling",
     "LlamaMoEForSequenceClassification": "llama_moe_hf.modeling",
     "LlamaMoEForTokenClassification": "llama_moe_hf.modeling",
     "LlamaMoEModel": "llama_moe_hf.modeling",
     "SoapMoEConfig": "llama_moe_hf.modeling",
     "SoapMoEForCausalLM": "llama_moe_hf.modeling",
+    "SoapMoEForQuestionAnswering": "llama_moe_hf.modeling",
     "SoapMoEForSequenceClassification": "llama_moe_hf.modeling",
     "SoapMoEForTokenClassification": "llama_moe_hf.modeling",
     "SoapMoEModel": "llama_moe_hf.modeling",

@@ -15,7 +15,7 @@ def chat(
     download=None,
 ) -> str:
     """Answer `prompt` as a single user turn with greedy decoding; returns the decoded answer. `model` is a local
-    folder, a Hub id or `default`; `dtype="auto"` computes in the checkpoint's dtype (float32 on a CPU); with `stream` the answer is
+    folder, a Hub id or `default`; `dtype="auto"` computes in the checkpoint's dtype (float32 on a CPU without bf16 instructions); with `stream` the answer is
     also printed to stdout as it is generated."""
     from transformers import TextStreamer
 

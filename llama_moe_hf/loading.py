@@ -45,8 +45,7 @@ def load_model(
     download: Callable = None,
 ):
     """(model in eval mode on `device`, tokenizer, local folder) for `spec` (see `model_folder`). `dtype="auto"` keeps
-    the checkpoint's dtype on an accelerator and computes in float32 on a CPU, where bfloat16 decoding without bf16
-    units ran 2.3x slower (docs/benchmarks.md)."""
+    the checkpoint's dtype, except on a CPU without half-precision instructions for it (`cpu_dtype`)."""
     from transformers import AutoModelForCausalLM
 
     from .checkpoints.folder import TOKENIZER_FILES, read_tokenizer
@@ -64,9 +63,24 @@ def load_model(
     tokenizer = read_tokenizer(folder, trust_remote_code=trust_remote_code)
     device = device or default_device()
     if dtype == "auto" and str(device).startswith("cpu"):
-        dtype = "float32"
+        dtype = cpu_dtype(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer, folder
+
+
+def cpu_dtype(folder: Path) -> str:
+    """What `dtype="auto"` computes in on a CPU: a bfloat16 checkpoint stays bfloat16 where the CPU has bf16
+    instructions (AVX512-BF16 or AMX); elsewhere half precision is emulated and decoded 2.3x slower than float32
+    (docs/benchmarks.md, "Decoding on a CPU: float32 or bfloat16"), so it is float32."""
+    import json
+
+    import torch
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up with a default
+    has_bf16 = any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+    return "auto" if saved == "float32" or (saved == "bfloat16" and has_bf16) else "float32"
 
 
 def parameter_counts(model) -> tuple[int, int]:

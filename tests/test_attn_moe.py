@@ -385,6 +385,7 @@ def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     assert saved["model_type"] == "attn_moe"
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_attn_moe.AttnMoEForCausalLM"
     assert saved["auto_map"]["AutoModelForTokenClassification"] == "modeling_attn_moe.AttnMoEForTokenClassification"
+    assert saved["auto_map"]["AutoModelForQuestionAnswering"] == "modeling_attn_moe.AttnMoEForQuestionAnswering"
     for name in ("modeling_attn_moe.py", "configuration_attn_moe.py", "modeling_llama_moe.py"):
         assert (tmp_path / name).is_file()
 
@@ -589,13 +590,14 @@ def test_cli_attention_flags(tmp_path, tiny_dense_folder):
     assert main(args + ["--attn-experts", "3"]) == 2  # one `error:` line, no traceback
 
 
-def test_experts_kernel_switch_runs_the_mlp_experts_kernel_or_is_refused():
+def test_experts_kernel_switch_runs_the_mlp_experts_kernel_or_changes_nothing():
     """transformers' `experts_implementation` picks the MLP experts' kernel: with MLP experts the chosen kernel runs
-    (transformers' common test mocks it the same way); with dense MLPs only, asking for one is refused instead of
-    silently never running."""
+    (transformers' common test mocks it the same way); with dense MLPs only it is accepted, as transformers' contract
+    has it, and changes nothing (said once in the log), where it used to be refused."""
     from unittest.mock import Mock, patch
 
     from transformers.integrations.moe import batched_mm_experts_forward
+    from transformers.testing_utils import CaptureLogger
 
     dense = dense_model()
     fields = dict(num_attention_experts=4, num_attention_experts_per_tok=2, num_experts=4, num_experts_per_tok=2)
@@ -606,8 +608,31 @@ def test_experts_kernel_switch_runs_the_mlp_experts_kernel_or_is_refused():
         with_experts(torch.randint(3, 90, (1, 8)))
     kernel.assert_called()
     attention_only = AttnMoEForCausalLM(attn_config(dense.config, **fields)).eval()
-    with pytest.raises(ValueError, match="has none \\(moe_layers is empty\\)"):
-        attention_only.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, 90, (2, 8))
+    with torch.no_grad():
+        expected = attention_only(ids).logits
+        for implementation in ("batched_mm", "grouped_mm"):
+            with CaptureLogger(modeling_attn_moe.logger) as log:
+                attention_only.set_experts_implementation(implementation)
+            assert attention_only.config._experts_implementation == implementation
+            assert torch.equal(attention_only(ids).logits, expected)
+            assert "has none (moe_layers is empty): it changes nothing" in log.out
+
+
+@pytest.mark.parametrize("implementation", ["masked", "gathered"])
+def test_attention_balance_loss_leaves_out_masked_left_padding_on_either_path(implementation):
+    """Mixtral's common test, second part, with the attention routers in `router_logits` (dense MLPs): left padding
+    under the mask leaves `aux_loss` as it was (a report once had the gathered path at 4.0 against 2.0 here), and
+    the same padding counted (no mask) changes it."""
+    fields = {"num_attention_experts": 4, "num_attention_experts_per_tok": 2, "output_router_logits": True}
+    config = attn_config(dense_model().config, attention_experts_implementation=implementation, **fields)
+    model = AttnMoEForCausalLM(config).eval()
+    input_ids = batch_of_ids(length=7)
+    padded = torch.cat([torch.ones(2, 28, dtype=torch.long), input_ids], dim=1)
+    with torch.no_grad():
+        alone = model(input_ids, attention_mask=input_ids.ne(1)).aux_loss  # token 1 is padding, as in Mixtral's test
+        torch.testing.assert_close(model(padded, attention_mask=padded.ne(1)).aux_loss, alone, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(model(padded).aux_loss, alone, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("implementation", ["masked", "gathered"])

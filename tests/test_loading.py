@@ -1,5 +1,5 @@
 """Commands that read a model (`chat`, `info`, `eval`, `analyze`) take a folder, a Hub id (through the download seam,
-as huggingface_hub's cache would give it) or `default`; `chat` computes in the checkpoint's dtype (float32 on a CPU) and streams."""
+as huggingface_hub's cache would give it) or `default`; `chat` computes in the checkpoint's dtype (float32 on a CPU without bf16 instructions) and streams."""
 
 import pytest
 import torch
@@ -28,9 +28,13 @@ def fake_download(folder, asked: list):
     return download
 
 
-def test_auto_dtype_is_the_checkpoints_own_except_on_a_cpu(tiny_folders, monkeypatch):
-    # On a CPU without bf16 units bfloat16 decodes 2.3x slower: `auto` computes in float32 there
-    assert load_model(str(tiny_folders["bf16"]), device="cpu")[0].dtype == torch.float32
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_auto_dtype_is_the_checkpoints_own_unless_the_cpu_lacks_bf16(tiny_folders, monkeypatch, bf16_instructions):
+    # On a CPU without bf16 instructions bfloat16 decodes 2.3x slower: `auto` computes in float32 there
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_instructions, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    expected = torch.bfloat16 if bf16_instructions else torch.float32
+    assert load_model(str(tiny_folders["bf16"]), device="cpu")[0].dtype == expected
     assert load_model(str(tiny_folders["bf16"]), dtype="bfloat16")[0].dtype == torch.bfloat16
     assert load_model(str(tiny_folders["fp32"]))[0].dtype == torch.float32
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same_logits, tiny_llama, tiny_llama_config, tiny_moe, token_batch
+from helpers import assert_same_logits, tiny_family_model, tiny_llama, tiny_llama_config, tiny_moe, token_batch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -562,6 +562,31 @@ def test_sequence_and_token_classification_heads(tmp_path):
         assert set(info["missing_keys"]) == {"score.weight", "score.bias"} & set(head.state_dict())
         torch.testing.assert_close(head.model.embed_tokens.weight, moe.model.embed_tokens.weight)
         assert head.eval()(input_ids).logits.shape == shape
+
+
+@pytest.mark.parametrize("family", ["llama_moe", "attn_moe", "soap_moe"])
+def test_question_answering_head_of_every_family_loads_from_a_causal_lm_folder(family, tmp_path):
+    """Each family has an extractive QA head (as Mixtral has), named in `auto_map` and loaded by
+    AutoModelForQuestionAnswering on the saved backbone; only `qa_outputs` is new, and its loss trains."""
+    from transformers import AutoModelForQuestionAnswering
+
+    moe = tiny_family_model(family)
+    moe.save_pretrained(tmp_path)
+    prefix = type(moe).__name__.removesuffix("ForCausalLM")
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert (
+        auto_map["AutoModelForQuestionAnswering"]
+        == f"{type(moe).__module__.split('.')[-1]}.{prefix}ForQuestionAnswering"
+    )
+    head, info = AutoModelForQuestionAnswering.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(head).__name__ == f"{prefix}ForQuestionAnswering"
+    assert set(info["missing_keys"]) == {"qa_outputs.weight", "qa_outputs.bias"}
+    torch.testing.assert_close(head.model.embed_tokens.weight, moe.model.embed_tokens.weight)
+    input_ids = token_batch(batch_size=2, length=9)
+    out = head.train()(input_ids, start_positions=torch.tensor([1, 4]), end_positions=torch.tensor([3, 8]))
+    assert out.start_logits.shape == out.end_logits.shape == (2, 9)
+    out.loss.backward()
+    assert head.qa_outputs.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize(

@@ -208,13 +208,18 @@ class LayerHealer:
         states before it removed: whenever the run stops, the record names a layer whose files are all there."""
         from safetensors.torch import save_file
 
-        _atomic(self.state_dir / f"layer_{layer_idx}.safetensors", lambda p: save_file(healed, p))
+        from ..checkpoints.writer import atomic_file
+
+        with atomic_file(self.state_dir / f"layer_{layer_idx}.safetensors") as tmp:
+            save_file(healed, str(tmp))
         states = {"hidden": self.hidden.cpu()}
         if self.dense_hidden is not None:
             states["dense"] = self.dense_hidden.cpu()
-        _atomic(self.state_dir / f"hidden_{layer_idx}.safetensors", lambda p: save_file(states, p))
+        with atomic_file(self.state_dir / f"hidden_{layer_idx}.safetensors") as tmp:
+            save_file(states, str(tmp))
         record = {"fingerprint": self._key, "layer": layer_idx, "errors": self.errors, "runs": self.runs}
-        _atomic(self.state_dir / STATE_FILE, lambda p: Path(p).write_text(json.dumps(record)))
+        with atomic_file(self.state_dir / STATE_FILE) as tmp:
+            tmp.write_text(json.dumps(record))
         (self.state_dir / f"hidden_{layer_idx - 1}.safetensors").unlink(missing_ok=True)
 
 
@@ -298,9 +303,3 @@ def _load_layer(state_dir: Path, layer_idx: int) -> dict:
     from safetensors.torch import load_file
 
     return load_file(state_dir / f"layer_{layer_idx}.safetensors")
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(str(tmp))
-    tmp.replace(path)

@@ -13,6 +13,7 @@ from .configuration_llama_moe import LlamaMoEConfig
 from .configuration_soap_moe import SoapMoEConfig
 from .modeling_attn_moe import (
     AttnMoEForCausalLM,
+    AttnMoEForQuestionAnswering,
     AttnMoEForSequenceClassification,
     AttnMoEForTokenClassification,
     AttnMoEModel,
@@ -20,6 +21,7 @@ from .modeling_attn_moe import (
 )
 from .modeling_llama_moe import (
     LlamaMoEForCausalLM,
+    LlamaMoEForQuestionAnswering,
     LlamaMoEForSequenceClassification,
     LlamaMoEForTokenClassification,
     LlamaMoEModel,
@@ -27,6 +29,7 @@ from .modeling_llama_moe import (
 )
 from .modeling_soap_moe import (
     SoapMoEForCausalLM,
+    SoapMoEForQuestionAnswering,
     SoapMoEForSequenceClassification,
     SoapMoEForTokenClassification,
     SoapMoEModel,
@@ -52,16 +55,19 @@ __all__ = [
     "MODEL_FAMILIES",
     "AttnMoEConfig",
     "AttnMoEForCausalLM",
+    "AttnMoEForQuestionAnswering",
     "AttnMoEForSequenceClassification",
     "AttnMoEForTokenClassification",
     "AttnMoEModel",
     "LlamaMoEConfig",
     "LlamaMoEForCausalLM",
+    "LlamaMoEForQuestionAnswering",
     "LlamaMoEForSequenceClassification",
     "LlamaMoEForTokenClassification",
     "LlamaMoEModel",
     "SoapMoEConfig",
     "SoapMoEForCausalLM",
+    "SoapMoEForQuestionAnswering",
     "SoapMoEForSequenceClassification",
     "SoapMoEForTokenClassification",
     "SoapMoEModel",

@@ -15,7 +15,8 @@ before `o_proj`; docs/attn_moe.md says which compute this saves.
     AttnMoEAttention     LlamaAttention + router `gate`; weights each head's output by its expert's routing weight
     AttnMoEDecoderLayer  LlamaMoE decoder layer (dense or MoE MLP) with AttnMoE attention in `attention_moe_layers`
     AttnMoEModel         LlamaMoE backbone that also reports the attention routers' logits
-    heads                AttnMoEForCausalLM, AttnMoEForSequenceClassification, AttnMoEForTokenClassification
+    heads                AttnMoEForCausalLM, AttnMoEForSequenceClassification, AttnMoEForTokenClassification,
+                         AttnMoEForQuestionAnswering
 
 Router losses follow LlamaMoE's rule: `router_logits` (the MLP routers, or the attention routers when the MLP is
 dense) give the standard balance term that the head or TRL adds; the attention routers' balance loss (when they are
@@ -45,7 +46,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -54,6 +55,7 @@ from .modeling_llama_moe import (
     ROUTER_CLASSES,
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
+    LlamaMoEForQuestionAnswering,
     LlamaMoEForSequenceClassification,
     LlamaMoEForTokenClassification,
     LlamaMoEModel,
@@ -64,6 +66,8 @@ from .modeling_llama_moe import (
     expert_one_hot,
     router_losses,
 )
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -291,6 +295,7 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "AutoModelForCausalLM": "AttnMoEForCausalLM",
         "AutoModelForSequenceClassification": "AttnMoEForSequenceClassification",
         "AutoModelForTokenClassification": "AttnMoEForTokenClassification",
+        "AutoModelForQuestionAnswering": "AttnMoEForQuestionAnswering",
     }
     # Both router kinds are LlamaMoERouter; where they sit tells them apart.
     _can_record_outputs = {
@@ -301,12 +306,14 @@ class AttnMoEPreTrainedModel(LlamaMoEPreTrainedModel):
     }
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # The switch picks the MLP experts' kernel: with every MLP dense there is none to pick, and a kernel asked for
-        # would silently never run.
+        # The switch picks the MLP experts' kernel. With every MLP dense there is none to run: it is accepted and
+        # changes nothing, as transformers' contract has it (any kernel may be set, and the outputs agree); the log
+        # says so once. The attention experts have attention_experts_implementation.
         if requested_experts not in (None, "eager", "llama_moe_auto") and not self.config.moe_layers:
-            raise ValueError(
+            logger.warning_once(
                 f"experts_implementation={requested_experts!r} picks the kernel of MLP experts, and this AttnMoE model "
-                "has none (moe_layers is empty); its attention experts have attention_experts_implementation."
+                "has none (moe_layers is empty): it changes nothing. The attention experts' computation is chosen by "
+                "attention_experts_implementation."
             )
         return super().get_correct_experts_implementation(requested_experts)
 
@@ -397,9 +404,14 @@ class AttnMoEForTokenClassification(AttnMoEPreTrainedModel, LlamaMoEForTokenClas
     backbone_class = AttnMoEModel
 
 
+class AttnMoEForQuestionAnswering(AttnMoEPreTrainedModel, LlamaMoEForQuestionAnswering):
+    backbone_class = AttnMoEModel
+
+
 __all__ = [
     "AttnMoEAttention",
     "AttnMoEForCausalLM",
+    "AttnMoEForQuestionAnswering",
     "AttnMoEForSequenceClassification",
     "AttnMoEForTokenClassification",
     "AttnMoEModel",

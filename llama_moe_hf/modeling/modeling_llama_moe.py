@@ -13,7 +13,8 @@ Attention, norms and rotary embeddings are transformers' own modules of the dens
     block     LlamaMoESparseMoeBlock: router + experts (+ shared experts, + G-MoEfication compensation)
     layer     LlamaMoEDecoderLayer: LLaMA decoder layer whose MLP is dense or MoE (`config.moe_layers`)
     model     LlamaMoEModel
-    heads     LlamaMoEForCausalLM, LlamaMoEForSequenceClassification, LlamaMoEForTokenClassification
+    heads     LlamaMoEForCausalLM, LlamaMoEForSequenceClassification, LlamaMoEForTokenClassification,
+              LlamaMoEForQuestionAnswering
 
 Router losses. The Switch load-balancing loss over `router_logits` is the standard term: the causal-LM head adds
 `router_aux_loss_coef * aux_loss` to `loss`, and TRL's trainers compute the same term themselves. Every other router
@@ -49,6 +50,7 @@ from transformers.integrations.moe import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
     GradientCheckpointingLayer,
@@ -825,6 +827,7 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
         "AutoModelForCausalLM": "LlamaMoEForCausalLM",
         "AutoModelForSequenceClassification": "LlamaMoEForSequenceClassification",
         "AutoModelForTokenClassification": "LlamaMoEForTokenClassification",
+        "AutoModelForQuestionAnswering": "LlamaMoEForQuestionAnswering",
     }
 
     def add_auto_map(self) -> None:
@@ -1067,11 +1070,24 @@ class LlamaMoEForTokenClassification(GenericForTokenClassification, LlamaMoEPreT
         self.post_init()
 
 
+class LlamaMoEForQuestionAnswering(GenericForQuestionAnswering, LlamaMoEPreTrainedModel):
+    """Extractive question answering (start and end logits per token), like `MixtralForQuestionAnswering`."""
+
+    backbone_class = LlamaMoEModel
+
+    def __init__(self, config: LlamaMoEConfig):
+        LlamaMoEPreTrainedModel.__init__(self, config)  # see LlamaMoEForSequenceClassification
+        self.model = self.backbone_class(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
 __all__ = [
     "CACHE_ARG",
     "ROUTER_CLASSES",
     "LlamaMoEExperts",
     "LlamaMoEForCausalLM",
+    "LlamaMoEForQuestionAnswering",
     "LlamaMoEForSequenceClassification",
     "LlamaMoEForTokenClassification",
     "LlamaMoEModel",

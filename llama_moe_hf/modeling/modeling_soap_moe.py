@@ -17,7 +17,7 @@ segment j-1, a token's output never depends on later segments; within segment 0 
               `reference_forward` the plain one (merge everything, then two batched matmuls; autograd does the rest)
     block     SoapMoEBlock: segments, padding-aware segment means, routing, generation state
     layer     SoapMoEDecoderLayer: LLaMA decoder layer whose MLP is dense or SOAP (`config.moe_layers`)
-    model     SoapMoEModel, SoapMoEForCausalLM (and the classification heads)
+    model     SoapMoEModel, SoapMoEForCausalLM (and the classification and question-answering heads)
 
 Generation uses the standard KV cache; each SOAP layer keeps its routing state next to it (`SoapRoutingState`).
 `config.routing_mode = "prompt"` routes once on the prompt and decodes with that merged FFN; `"segment"` re-routes
@@ -47,6 +47,7 @@ from .configuration_soap_moe import SoapMoEConfig
 from .modeling_llama_moe import (
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
+    LlamaMoEForQuestionAnswering,
     LlamaMoEForSequenceClassification,
     LlamaMoEForTokenClassification,
     LlamaMoEModel,
@@ -538,6 +539,7 @@ class SoapMoEPreTrainedModel(LlamaMoEPreTrainedModel):
         "AutoModelForCausalLM": "SoapMoEForCausalLM",
         "AutoModelForSequenceClassification": "SoapMoEForSequenceClassification",
         "AutoModelForTokenClassification": "SoapMoEForTokenClassification",
+        "AutoModelForQuestionAnswering": "SoapMoEForQuestionAnswering",
     }
 
     @classmethod
@@ -631,6 +633,12 @@ class SoapMoEForCausalLM(SoapMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
         syncs. Before model code 0.3.4 Dynamo crashed there; `torch.compile(model)` by hand now runs (tested)."""
         return False
 
+    def create_masks_for_generate(self, attention_mask=None, **_):
+        """`generate` turns the 2D mask into 4D masks up front for a fixed-size (static) cache, which only a compiled
+        forward needs; the SOAP blocks read the padding from the 2D mask (padded tokens stay out of the segment
+        means), and this model is never compiled by `generate`: the 2D mask goes to the forward as it is."""
+        return attention_mask
+
     def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
         """Beam search: the SOAP layers' routing states follow the KV cache's rows."""
         cache.reorder_cache(beam_idx)
@@ -681,10 +689,15 @@ class SoapMoEForTokenClassification(SoapMoEPreTrainedModel, LlamaMoEForTokenClas
     backbone_class = SoapMoEModel
 
 
+class SoapMoEForQuestionAnswering(SoapMoEPreTrainedModel, LlamaMoEForQuestionAnswering):
+    backbone_class = SoapMoEModel
+
+
 __all__ = [
     "SoapMoEBlock",
     "SoapMoEExperts",
     "SoapMoEForCausalLM",
+    "SoapMoEForQuestionAnswering",
     "SoapMoEForSequenceClassification",
     "SoapMoEForTokenClassification",
     "SoapMoEModel",
