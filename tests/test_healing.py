@@ -2,13 +2,16 @@
 reproduce the dense MLP's output on the converted earlier layers' states. The same result converting and healing in
 one run or in two, deterministic, resumable after an interruption, closer to the dense model."""
 
+import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import load_moe, logits, one_error_line, tiny_llama, tiny_moe
 
 from llama_moe_hf import MoERecipe, convert_to_moe
+from llama_moe_hf.checkpoints import writer
 from llama_moe_hf.commands import main
 from llama_moe_hf.conversion import healing
 from llama_moe_hf.conversion.heal import HealOptions, heal_folder
@@ -145,15 +148,17 @@ def test_a_heal_killed_between_its_writes_resumes_from_a_consistent_layer(healed
     """Killed after a layer's states were written but before the record naming the layer: the record's layer and its
     states still belong together, and the run ends as an uninterrupted one."""
     _, plain, result = healed
-    calls, real_atomic = [], healing._atomic
+    calls, real_atomic_file = [], writer.atomic_file
 
-    def die_before_the_second_record(path, write):
-        calls.append(path.name)
-        if path.name == healing.STATE_FILE and calls.count(healing.STATE_FILE) == 2:
+    @contextlib.contextmanager
+    def die_before_the_second_record(path):
+        calls.append(Path(path).name)
+        if calls[-1] == healing.STATE_FILE and calls.count(healing.STATE_FILE) == 2:
             raise KeyboardInterrupt
-        return real_atomic(path, write)
+        with real_atomic_file(path) as tmp:
+            yield tmp
 
-    monkeypatch.setattr(healing, "_atomic", die_before_the_second_record)
+    monkeypatch.setattr(writer, "atomic_file", die_before_the_second_record)
     options = HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False)
     with pytest.raises(KeyboardInterrupt):
         heal_folder(plain, options)

@@ -60,8 +60,11 @@ def meta_model(config):
 
     import llama_moe_hf  # noqa: F401  (registers the MoE families with the Auto classes)
 
+    # The class itself, not `from_config`: under a ZeRO-3 TrainingArguments that would start deepspeed.zero.Init
+    # before the run has set up its processes.
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return model_class(config)
 
 
 def parameter_counts(config, model=None) -> ParameterCounts:
