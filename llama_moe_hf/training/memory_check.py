@@ -118,13 +118,12 @@ def _flags(flags: dict) -> list[str]:
     return [f"{flag} {value}" for flag, value in flags.items()]
 
 
-def estimate_run(config, values, seq_len: int, teacher=None, model=None):
+def estimate_run(config, values, seq_len: int, teacher=None):
     """(the run's `Footprint`, the free bytes it may use, its settings, a function estimating other settings).
-    `teacher` is (its config, bytes per parameter); `model` the run's model on the meta device, when the caller has
-    it (else built from `config`)."""
+    `teacher` is (its config, bytes per parameter)."""
     from .memory import meta_model, parameter_counts
 
-    model = model if model is not None else meta_model(config)
+    model = meta_model(config)
     counts, trainable = parameter_counts(config, model), trainable_parameters(model, values)
     settings, device = run_settings(values, seq_len), device_of(values)
     share = local_processes() if device == "cpu" else 1  # CPU processes of one machine share its memory
@@ -140,10 +139,10 @@ def estimate_run(config, values, seq_len: int, teacher=None, model=None):
     return estimate(settings), free, settings, estimate
 
 
-def check_memory(config, values, seq_len: int, teacher=None, model=None) -> None:
+def check_memory(config, values, seq_len: int, teacher=None) -> None:
     """One ValueError when the run's estimated peak exceeds the free memory (`values.force`: a warning instead);
     arguments as `estimate_run`'s."""
-    footprint, free, settings, estimate = estimate_run(config, values, seq_len, teacher, model)
+    footprint, free, settings, estimate = estimate_run(config, values, seq_len, teacher)
     logger.info("Estimated peak memory of one training process: %s; %.1f GiB free.", footprint.describe(), free / GIB)
     if footprint.total <= HEADROOM * free:
         return

@@ -66,11 +66,10 @@ class ResumableCheckpointsMixin:
 
 def real_missing_keys(model, missing: list[str]) -> list[str]:
     """The `missing` parameter names of `model` that share no storage with a parameter that was loaded."""
-    storages: dict[int, set[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        storages.setdefault(parameter.data_ptr(), set()).add(name)
+    storage = {name: parameter.data_ptr() for name, parameter in model.named_parameters(remove_duplicate=False)}
     absent = set(missing)
-    return [name for name in missing if not any(names - absent for names in storages.values() if name in names)]
+    loaded = {pointer for name, pointer in storage.items() if name not in absent}
+    return [name for name in missing if storage.get(name) not in loaded]
 
 
 def run_shape(training) -> dict:
