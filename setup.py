@@ -64,7 +64,7 @@ setup(
     },
     entry_points={
         "console_scripts": ["llama-moe=llama_moe_cli:main"],
-        # the model code's save calls these (modeling_llama_moe.SAVE_HOOKS): the card of a `trl sft` run
+        # the model code's save calls these (modeling/save_hooks.py, SAVE_HOOKS): the card of a `trl sft` run
         "llama_moe_hf.model_saved": ["training_card=llama_moe_hf.training.trl_card:on_model_saved"],
     },
 )

@@ -1,17 +1,15 @@
 """Linear layers on every CPU thread, for batch-1 decoding in float32 of any causal LM, dense or MoE.
 
 At one token a linear layer is a matrix-vector product, and torch runs float32 matrix-vector products through MKL on
-one thread, eager or compiled. The LM head is the largest (SmolLM2: `[49152, 576]`, 113 MB a step, 6.6 ms with 2
-threads or 1). Two kernels use every thread instead (docs/benchmarks.md):
-- in eager mode, oneDNN's inner product: 1.7 ms for that head (at the size of the other layers its per-call cost
+one thread, eager or compiled; the LM head is the largest of them. Two kernels use every thread instead (timings:
+docs/benchmarks.md, "Decoding and prefill of the default model"):
+- in eager mode, oneDNN's inner product (only for the head: at the size of the other layers its per-call cost
   outweighs the second thread, so they keep `F.linear`);
 - under `torch.compile`, the product written as a multiply and a sum over the hidden size, which inductor turns into
-  one reduction kernel that reads the weight once (as the experts' indexed reduction does): 2.4 ms for the head, and
-  2 to 3 times faster than `F.linear` for the attention and MLP projections too.
+  one reduction kernel that reads the weight once (as the experts' indexed reduction does).
 
 `use_threaded_lm_head(model)` threads the output embedding, eager and compiled (what `llama-moe chat` uses);
-`use_threaded_linears(model)` also every other `Linear` under `torch.compile` (compiled SmolLM2 decoding: dense 30.5
-to 53.5 tokens/s, its 2/8 split 60.2 to 79.6). Each replaces only a module's `forward` (an instance attribute, as
+`use_threaded_linears(model)` also every other `Linear` under `torch.compile`. Each replaces only a module's `forward` (an instance attribute, as
 accelerate's hooks do): the parameters, their tying to the input embedding, the state dict and `save_pretrained` are
 unchanged.
 The oneDNN copy of the head's weight is built on first use and again whenever the parameter changes (its version

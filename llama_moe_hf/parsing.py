@@ -17,7 +17,6 @@ import os
 import sys
 import textwrap
 import traceback
-import types
 
 from safetensors import SafetensorError
 from trl import TrlParser
@@ -63,14 +62,6 @@ class Parser(TrlParser):
         for action in negations:  # HfArgumentParser gives `--no_X` the help of `--X`
             if action.dest in flags:
                 action.help = f"turn {flags[action.dest]} off"
-
-    @staticmethod
-    def _parse_dataclass_field(parser, field):
-        # `role` (conversion.target.Part) describes a setting; argparse has no such argument
-        if "role" in field.metadata:
-            field = copy.copy(field)
-            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "role"})
-        TrlParser._parse_dataclass_field(parser, field)
 
     def error(self, message):  # one line, not argparse's usage block
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

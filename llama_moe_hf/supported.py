@@ -1,4 +1,4 @@
-"""The README's "Supported models" table, generated from the registries (tests/test_structure.py keeps it in sync):
+"""The README's "Supported models" table, generated from the registries (tests/package/test_structure.py keeps it in sync):
 which dense source families convert, into which output families, and which export targets take the result.
 
     python -m llama_moe_hf.supported    # rewrites the table in README.md

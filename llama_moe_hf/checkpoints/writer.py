@@ -1,17 +1,14 @@
-"""Writing a converted checkpoint: a streaming safetensors writer and an atomic output folder.
+"""Writing a converted checkpoint: a streaming safetensors writer, and reading a checkpoint's tensor shapes back.
 
 ShardedWriter   tensors go to disk as they are produced, shard by shard, named and indexed like `save_pretrained`
-atomic_folder   everything is written into a temporary folder that replaces the output only when complete
+read_shapes     tensor name -> shape, from the safetensors headers only
+
+The writers put it into `checkpoints.atomic.atomic_folder`'s temporary folder, which replaces the output only when
+complete.
 """
 
-import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -152,57 +149,3 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
         except SafetensorError as error:
             raise ValueError(f"Cannot read {folder / file}: it is corrupt or truncated ({error}).") from None
     return shapes
-
-
-def current_umask() -> int:
-    umask = os.umask(0)  # reading the umask means setting it: put it back at once
-    os.umask(umask)
-    return umask
-
-
-def normal_permissions(folder: Path) -> None:
-    """Files 0o666 and folders 0o777 minus the umask, under `folder` (transformers writes safetensors files 0o600)."""
-    umask = current_umask()
-    for path in Path(folder).rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-@contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success it replaces `path` (normal permissions), on error it is
-    removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-@contextmanager
-def atomic_folder(output: Path) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to `output`; on success it replaces `output`, on any error it is removed."""
-    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; the output folder should not be
-    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))
-    try:
-        yield tmp
-        if output.exists():  # --overwrite: swap only now that the new folder is complete
-            output.rename(old)
-        tmp.rename(output)
-    except BaseException:
-        if old.exists() and not output.exists():  # interrupted between the two renames: restore the old folder
-            old.rename(output)
-        shutil.rmtree(tmp, ignore_errors=True)
-        for folder in created:  # the parent folders we created, innermost first, unless something else is in them
-            with contextlib.suppress(OSError):  # (healing's progress, kept for the next run, lives beside the output)
-                folder.rmdir()
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -14,7 +14,10 @@ def register(subparsers) -> None:
     parser.add_argument("--prompt", required=True, help="the user's message")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     parser.add_argument(
-        "--dtype", default="auto", choices=DTYPES, help="compute dtype (default: auto, the checkpoint's own; float32 on a CPU without bf16 instructions)"
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="compute dtype (default: auto, the checkpoint's own; float32 on a CPU without bf16 instructions)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-stream", action="store_true", help="print the answer once it is complete")

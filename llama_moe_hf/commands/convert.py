@@ -3,10 +3,16 @@
 import dataclasses
 import textwrap
 
-from ..conversion.choices import ROUTER_TYPES
-from ..conversion.presets import BEST_PRESET, preset_description, preset_names, preset_path, sparsity_presets
-from ..conversion.recipe import MoERecipe, RecipeFields, RunOptions
+from ..conversion.recipe import (
+    BEST_PRESET,
+    MoERecipe,
+    preset_description,
+    preset_names,
+    preset_path,
+    sparsity_presets,
+)
 from ..conversion.registry import FAMILIES, METHODS, REGISTRIES, ROUTER_INITS, option_fields
+from ..conversion.settings import ROUTER_TYPES, RecipeFields, RunOptions
 from ..source_families import SOURCE_FAMILIES
 
 

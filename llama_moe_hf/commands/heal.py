@@ -1,6 +1,6 @@
 """`llama-moe heal MOE_FOLDER --output DIR [--teacher DENSE]`: its flags are `HealOptions`."""
 
-from ..conversion.heal import HealOptions
+from ..conversion.healing import HealOptions
 
 
 def register(subparsers) -> None:
@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 def run(args) -> None:
     from dataclasses import fields
 
-    from ..conversion.heal import heal_folder
+    from ..conversion.healing import heal_folder
 
     options = HealOptions(**{f.name: getattr(args, f.name) for f in fields(HealOptions)})
     output = heal_folder(args.folder, options)

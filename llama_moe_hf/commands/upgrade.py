@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..conversion.upgrade import upgrade_folder
+    from ..hub.upgrade import upgrade_folder
 
     if args.push_to_hub and not args.repo_id:
         raise ValueError("--push-to-hub needs --repo-id ORG/NAME.")

@@ -6,9 +6,8 @@
     families/       one module per model family              plan.py     the recipe checked, completed and planned
     calibration.py  the one context that runs the dense model for every component (text from `text`)
     pipeline.py     convert(): streaming and atomic, to a folder   build.py   build_moe(): in memory
-    quick_check.py  perplexity of what was written next to the dense model's   card.py   the conversion's card
-    healing.py, heal.py   each MoE MLP trained to reproduce the dense one; `llama-moe heal`
-    upgrade.py      a saved folder's code, auto_map and card brought up to the installed package
+    quick_check.py  perplexity of what was written next to the dense model's   conversion_card.py   its card
+    healing/        each MoE MLP trained to reproduce the dense one: layer.py LayerHealer, folder.py `llama-moe heal`
 
 It reads dense checkpoints through `checkpoints` (folder, Hub, GGUF, default model, in memory) as their source
 family says (`source_families`), writes with `checkpoints.writer`, and cards with `hub`.

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.configuration_llama_moe import LlamaMoEConfig
-from ..modeling.modeling_llama_moe import LlamaMoESelectorRouter
-from .choices import SELECTOR_OBJECTIVES
+from ..modeling.routers import LlamaMoESelectorRouter
 from .experts import ExpertSplit
+from .settings import SELECTOR_OBJECTIVES
 
 logger = logging.getLogger(__name__)
 ENERGY_CHUNK_TOKENS = 2048

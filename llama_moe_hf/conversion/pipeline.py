@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..preflight import check_writable
-from .recipe import DTYPES, RECIPE_FILE, MoERecipe, RunOptions, save_recipe
+from .recipe import RECIPE_FILE, MoERecipe, save_recipe
 from .registry import FAMILIES
+from .settings import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     output = _check_output(run)
     if run.save_split:
         check_writable(run.save_split, "--save-split")
-    resolve_recipe(recipe, run=run)  # what needs no source is refused before opening (or downloading) it
+    resolved = resolve_recipe(recipe, run=run)  # what needs no source is refused before opening (or downloading) it
     if run.push_to_hub and not run.repo_id:
         raise ValueError("--push-to-hub needs --repo-id ORG/NAME.")
     source = open_source(
@@ -75,7 +76,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     )
     _check_not_source(output, source)
     source.check_complete()
-    plan = ConversionPlan.create(recipe, source.config, run)
+    plan = ConversionPlan.create(recipe, source.config, run, resolved=resolved)
     context = CalibrationContext(
         plan.recipe,
         source.load_model,
@@ -100,8 +101,9 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
 def _write(plan, source, context, output: Path) -> ConversionResult:
     from transformers.dynamic_module_utils import custom_object_save
 
-    from ..checkpoints.writer import ShardedWriter, atomic_folder
-    from .card import write_model_card
+    from ..checkpoints.atomic import atomic_folder
+    from ..checkpoints.writer import ShardedWriter
+    from .conversion_card import write_model_card
 
     run = plan.run
     with atomic_folder(output) as tmp:
@@ -163,8 +165,6 @@ def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None,
 def _check_output(run: RunOptions) -> Path:
     if not run.output:
         raise ValueError("A conversion needs an output folder (--output, output_dir=).")
-    if run.dtype is not None and run.dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {run.dtype!r}; choose one of {', '.join(DTYPES)} (or leave it unset).")
     output = Path(run.output).expanduser().resolve()
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"Output {output} exists and is not a folder.")

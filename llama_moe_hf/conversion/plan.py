@@ -1,7 +1,8 @@
 """One conversion, planned: the recipe checked and completed, its components chosen, the output config built.
 
-resolve_recipe(recipe, dense_config)    the one place where conversion settings are checked and defaults filled
-ConversionPlan.create(recipe, config)   the components of each target, the output config and tensor shapes
+resolve_recipe(recipe, run=run)         the settings checked (`settings.py`) and defaults filled, before the source
+ConversionPlan.create(recipe, config)   completed for the source (`resolve_for_model`); the components of each
+                                        target, the output config and tensor shapes
 plan.prepare(context)                   every calibration pass, once, before the write
 plan.tensors(source, context)           the output checkpoint's tensors, one decoder layer at a time
 """
@@ -11,42 +12,57 @@ import json
 from collections.abc import Iterator
 
 from .calibration import data_path
-from .choices import HEAL_SCHEDULES, HEAL_TARGETS, ROUTER_TYPES
 from .layer_patterns import layer_terms, parse_moe_layers
-from .recipe import MoERecipe, RunOptions, check_types
+from .recipe import MoERecipe
 from .registry import FAMILIES, METHODS, ROUTER_INITS, component_options, option_fields, option_owner
+from .settings import ROUTER_TYPES, RunOptions, check_choice, check_types
 from .target import BLOCKS, MLP, LayerBuild, Target
-
-_POSITIVE = ("num_experts", "calibration_tokens", "calibration_samples")
 
 
 def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None = None) -> MoERecipe:
     """`recipe` with every default filled in, or one ValueError for the first impossible setting.
 
-    Without `dense_config` (before the source is opened) the settings that depend on the model's shape are checked
-    later, when it is given. Nothing is changed in place: a new recipe is returned.
+    Without `dense_config` (before the source is opened) the settings that depend on the model's shape are left for
+    `resolve_for_model`, which `ConversionPlan.create` runs on this result. Nothing is changed in place.
     """
     recipe = dataclasses.replace(recipe, moe_layers=_layer_list(recipe.moe_layers))
-    check_types(recipe)
+    recipe.check()
     if run is not None:
-        check_types(run)
-    _check_numbers(recipe, run)
+        run.check()
     recipe = dataclasses.replace(recipe, calibration_data=data_path(recipe))
     family = FAMILIES[recipe.family or _family_of(recipe)]()
-    options = {**family.default_options(), **recipe.options}
-    recipe = dataclasses.replace(recipe, family=family.name, options=options)
+    recipe = dataclasses.replace(recipe, family=family.name, options={**family.default_options(), **recipe.options})
     family.check(recipe)
     if recipe.heal_tokens and not family.heals:
         raise ValueError(f"--heal-tokens does not apply to the {family.name} family (no top-k MoE MLPs to heal).")
-    recipe = family.resolve(recipe, dense_config)
-    recipe = _resolve_heal_target(recipe, family)
+    recipe = _resolve_heal_target(family.resolve(recipe), family)
     for kind in family.target_kinds(recipe):
         recipe = _resolve_target(recipe, family, kind, run)
     recipe = _resolve_options(recipe, family)
-    if dense_config is not None:
-        for kind in family.target_kinds(recipe):
-            parse_moe_layers(family.parts[kind].settings(recipe).layers, dense_config.num_hidden_layers)
+    return recipe if dense_config is None else resolve_for_model(recipe, dense_config)
+
+
+def resolve_for_model(recipe: MoERecipe, dense_config) -> MoERecipe:
+    """A recipe `resolve_recipe` resolved without the source, completed for it: the family's defaults that depend on
+    the model (AttnMoE's expert count), the score scales that needed them, the layer patterns against its depth."""
+    family = FAMILIES[recipe.family]()
+    recipe = family.resolve_for_model(recipe, dense_config)
+    for kind in family.target_kinds(recipe):
+        part = family.parts[kind]
+        settings = part.read(recipe)
+        if settings["score_scale_factor"] is None:
+            recipe = part.write(recipe, score_scale_factor=_default_scale(settings))
+        parse_moe_layers(settings["layers"], dense_config.num_hidden_layers)
     return recipe
+
+
+def _default_scale(settings: dict) -> float | None:
+    """The score scale a target's method and router init choose (None until its expert counts are known)."""
+    if settings["num_experts"] is None or settings["top_k"] is None:
+        return None
+    if ROUTER_INITS[settings["router_init"]].unit_weights:
+        return 1.0
+    return float(METHODS[settings["method"]].default_score_scale(settings["num_experts"], settings["top_k"]))
 
 
 def _resolve_heal_target(recipe: MoERecipe, family) -> MoERecipe:
@@ -81,81 +97,32 @@ def _family_of(recipe: MoERecipe) -> str:
     return families[0] if families else "llama_moe"
 
 
-def _check_numbers(recipe: MoERecipe, run: RunOptions | None) -> None:
-    for name in _POSITIVE:
-        if getattr(recipe, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
-    if not 1 <= recipe.top_k <= recipe.num_experts:
-        raise ValueError(f"--top-k must be between 1 and --num-experts={recipe.num_experts}, got {recipe.top_k}.")
-    if recipe.num_shared_experts < 0:
-        raise ValueError(f"--num-shared-experts must be >= 0, got {recipe.num_shared_experts}.")
-    if recipe.calibration_seq_len < 2:
-        raise ValueError(f"--calibration-seq-len must be at least 2, got {recipe.calibration_seq_len}.")
-    if recipe.calibration_tokens < recipe.calibration_seq_len:
-        raise ValueError(
-            f"--calibration-tokens ({recipe.calibration_tokens}) must be at least one sequence "
-            f"({recipe.calibration_seq_len} tokens)."
-        )
-    layer_terms(recipe.moe_layers)
-    _check_healing(recipe)
-    if run is not None and run.calibration_batch_size < 1:
-        raise ValueError(f"--calibration-batch-size must be at least 1, got {run.calibration_batch_size}.")
-
-
-def _check_healing(recipe: MoERecipe) -> None:
-    if recipe.heal_tokens < 0:
-        raise ValueError(f"--heal-tokens must be >= 0, got {recipe.heal_tokens}.")
-    if not recipe.heal_tokens:
-        return
-    if 0 < recipe.heal_tokens < recipe.calibration_seq_len:
-        raise ValueError(
-            f"--heal-tokens ({recipe.heal_tokens}) must be at least one calibration sequence "
-            f"({recipe.calibration_seq_len} tokens)."
-        )
-    for name in ("heal_epochs", "heal_batch_tokens"):
-        if getattr(recipe, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(recipe, name)}.")
-    if recipe.heal_lr <= 0 or recipe.heal_routing_weight < 0:
-        raise ValueError("--heal-lr must be > 0 and --heal-routing-weight >= 0.")
-    if recipe.heal_schedule not in HEAL_SCHEDULES:
-        raise ValueError(f"--heal-schedule must be one of {', '.join(HEAL_SCHEDULES)}, got {recipe.heal_schedule!r}.")
-    if recipe.heal_target is not None and recipe.heal_target not in HEAL_TARGETS:  # None: chosen later
-        raise ValueError(f"--heal-target must be one of {', '.join(HEAL_TARGETS)}, got {recipe.heal_target!r}.")
-
-
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:
     """The method, router init, gate and score scale of one target, checked and completed."""
     part = family.parts[kind]
-    settings = part.settings(recipe)
-    method = METHODS[settings.method]
+    settings = part.read(recipe)
+    method = METHODS[settings["method"]]
     if method.target != kind:
         raise ValueError(f"Method {method.name!r} builds {method.target} experts, not {kind} experts.")
-    router = ROUTER_INITS[settings.router_init or method.default_router_init]
+    router = ROUTER_INITS[settings["router_init"] or method.default_router_init]
     if kind not in router.targets:
         usable = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
         raise ValueError(f"Router init {router.name!r} cannot start {kind} routers; choose one of {', '.join(usable)}.")
-    router_type = settings.router_type or router.router_type or "top_k"
+    router_type = settings["router_type"] or router.router_type or "top_k"
     _check_router(router, router_type, method, kind)
-    if settings.num_shared_experts and not method.allows_shared_experts:
+    if settings["num_shared_experts"] and not method.allows_shared_experts:
         raise ValueError(f"--num-shared-experts is not supported with method {method.name!r}.")
     if kind == MLP and recipe.compensation and not method.neuron_split:
         raise ValueError(f"--compensation needs a method that splits the FFN's neurons, not {method.name!r}.")
     if run is not None and (run.save_split or run.load_split) and kind == MLP and not method.uses_split_files:
         usable = [name for name, m in METHODS.items() if m.uses_split_files]
         raise ValueError(f"--save-split / --load-split work with the methods {', '.join(usable)}.")
-    experts, top_k, scale = settings.num_experts, settings.top_k, settings.score_scale_factor
-    if scale is None and experts is not None and top_k is not None:
-        scale = 1.0 if router.unit_weights else float(method.default_score_scale(experts, top_k))
-    layers = _layer_list(settings.layers)
-    layer_terms(layers)
-    return part.with_settings(
-        recipe,
-        method=method.name,
-        router_init=router.name,
-        router_type=router_type,
-        layers=layers,
-        score_scale_factor=scale,
-    )
+    settings |= {"method": method.name, "router_init": router.name, "router_type": router_type}
+    settings["layers"] = _layer_list(settings["layers"])
+    layer_terms(settings["layers"])
+    if settings["score_scale_factor"] is None:
+        settings["score_scale_factor"] = _default_scale(settings)
+    return part.write(recipe, **settings)
 
 
 def _check_router(router, router_type: str, method, kind: str) -> None:
@@ -182,8 +149,8 @@ def _chosen_components(recipe: MoERecipe, family) -> list:
     """The family and the methods and router inits of a resolved recipe."""
     chosen = [family]
     for kind in family.target_kinds(recipe):
-        settings = family.parts[kind].settings(recipe)
-        chosen += [METHODS[settings.method], ROUTER_INITS[settings.router_init]]
+        settings = family.parts[kind].read(recipe)
+        chosen += [METHODS[settings["method"]], ROUTER_INITS[settings["router_init"]]]
     return chosen
 
 
@@ -203,9 +170,8 @@ def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
         check_types(component_options(component, options))
         for f in option_fields(component):
             choices = f.metadata.get("choices")
-            if choices and options[f.name] is not None and options[f.name] not in choices:
-                flag = "--" + f.name.replace("_", "-")
-                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {options[f.name]!r}.")
+            if choices and options[f.name] is not None:
+                check_choice(f.name, options[f.name], choices)
     return dataclasses.replace(recipe, options=options)
 
 
@@ -244,14 +210,19 @@ class ConversionPlan:
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
 
     @classmethod
-    def create(cls, recipe: MoERecipe, dense_config, run: RunOptions | None = None) -> "ConversionPlan":
+    def create(
+        cls, recipe: MoERecipe, dense_config, run: RunOptions | None = None, *, resolved: MoERecipe | None = None
+    ) -> "ConversionPlan":
         """Check and complete `recipe` against the dense model's config; one ValueError for the first impossible
-        setting (the output config's own checks included)."""
+        setting (the output config's own checks included). `resolved`: `resolve_recipe(recipe, run=run)` done
+        already (before the source was opened), which is then only completed for the model."""
         import torch
         from huggingface_hub.errors import StrictDataclassError
 
         run = run or RunOptions()
-        asked, recipe = recipe, resolve_recipe(recipe, dense_config, run)
+        if resolved is None:
+            resolved = resolve_recipe(recipe, run=run)
+        asked, recipe = recipe, resolve_for_model(resolved, dense_config)
         family = FAMILIES[recipe.family]()
         targets = {kind: _target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
         plan = cls(recipe, run, family, dense_config, targets, asked=recipe_as_asked(asked, recipe))
@@ -314,7 +285,7 @@ class ConversionPlan:
     def _healer(self, embeddings, context, source):
         """The `LayerHealer` of this write: the heal tokens of the calibration data, on the run's device, resuming
         from `heal_state_dir` when an interrupted run of the same conversion left it."""
-        from .healing import LayerHealer
+        from .healing.layer import LayerHealer
 
         identity = json.dumps([dataclasses.asdict(self.asked), source.description], default=str)
         tokens = context.tokens(self.recipe.heal_tokens)
@@ -325,7 +296,7 @@ class ConversionPlan:
     @property
     def heal_state_dir(self):
         """Where healing keeps its per-layer progress until the output is written (None: no healing)."""
-        from .healing import state_dir_for
+        from .healing.layer import state_dir_for
 
         return state_dir_for(self.run.output) if self.recipe.heal_tokens and self.run.output else None
 
@@ -381,15 +352,7 @@ class ConversionPlan:
 
 
 def _target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
-    settings = family.parts[kind].settings(recipe)
-    return Target(
-        kind=kind,
-        method=settings.method,
-        router_init=settings.router_init,
-        router_type=settings.router_type,
-        num_experts=settings.num_experts,
-        top_k=settings.top_k,
-        num_shared_experts=settings.num_shared_experts or 0,
-        score_scale_factor=settings.score_scale_factor,
-        layers=tuple(parse_moe_layers(settings.layers, dense_config.num_hidden_layers)),
-    )
+    settings = family.parts[kind].read(recipe)
+    layers = parse_moe_layers(settings.pop("layers"), dense_config.num_hidden_layers)
+    shared = settings.pop("num_shared_experts") or 0
+    return Target(kind=kind, **settings, num_shared_experts=shared, layers=tuple(layers))

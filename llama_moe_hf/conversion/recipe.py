@@ -8,23 +8,25 @@ converting again from that file rebuilds the same safetensors:
     llama-moe convert --config smollm2-moe/moe_recipe.yaml --output smollm2-moe-again
 
 `MoERecipe.options` holds the settings of the chosen components (`cluster_on`, `selector_steps`, `attn_experts`,
-...): which component accepts which option is in the registries (`registry.py`). Validation and defaults are in one
-place, `plan.resolve_recipe`; nothing here changes a recipe it is given (they are frozen).
+...): which component accepts which option is in the registries (`registry.py`). The settings and their checks are
+declared in `settings.py`, their defaults filled by `plan.resolve_recipe`; recipes are frozen.
+
+Named presets are recipe files too: `recipes/convert/NAME.yaml` (`llama-moe convert --preset NAME`). The files are
+the only copy of each preset's settings, so `--preset g-moefication` and `--config recipes/convert/g-moefication.yaml`
+are the same conversion: an installed package carries them as `llama_moe_hf/presets/` (setup.py maps the folder
+there), an editable install reads the clone's `recipes/convert/`. A file's leading comment lines, up to its example
+command, are the preset's description in `llama-moe convert --help`.
 """
 
 import dataclasses
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
-from ..source_families import SOURCE_FAMILIES
 from . import components  # noqa: F401  (registers the built-in components)
-from .recipe_fields import RecipeFields
 from .registry import option_owner
+from .settings import RecipeFields, RunOptions
 
 RECIPE_FILE = "moe_recipe.yaml"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,64 +56,6 @@ class MoERecipe(RecipeFields):
         return {**fields, **self.options}
 
 
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How to run a conversion: source and output paths, dtype, device, card and Hub settings."""
-
-    model: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "local folder, Hub repo id or .gguf file of a dense model of the source families "
-            f"{', '.join(SOURCE_FAMILIES)} (default: SmolLM2-135M-Instruct)"
-        },
-    )
-    tokenizer: str | None = dataclasses.field(
-        default=None, metadata={"help": "tokenizer folder or Hub id, for a --model without one (default: --model's)"}
-    )
-    output: str | None = dataclasses.field(default=None, metadata={"help": "output folder (must not exist)"})
-    overwrite: bool = dataclasses.field(
-        default=False, metadata={"help": "replace an existing output folder at the end"}
-    )
-    dtype: str | None = dataclasses.field(
-        default=None, metadata={"help": "output weights dtype (default: the source's)", "choices": DTYPES}
-    )
-    max_shard_size: str = dataclasses.field(default="5GB", metadata={"help": "largest safetensors shard"})
-    device: str | None = dataclasses.field(
-        default=None, metadata={"help": "device of the calibration passes (default: cuda if available, else cpu)"}
-    )
-    calibration_batch_size: int = dataclasses.field(default=4, metadata={"help": "sequences per calibration pass"})
-    save_split: str | None = dataclasses.field(
-        default=None, metadata={"help": "write the calibrated split and routers to this .safetensors file"}
-    )
-    load_split: str | None = dataclasses.field(
-        default=None, metadata={"help": "reuse a split file written by --save-split instead of calibrating"}
-    )
-    revision: str | None = dataclasses.field(default=None, metadata={"help": "Hub revision of --model"})
-    token: str | None = dataclasses.field(default=None, metadata={"help": "Hugging Face token (default: logged-in)"})
-    allow_pickle: bool = dataclasses.field(
-        default=False, metadata={"help": "accept pickled pytorch_model.bin sources (runs pickle code)"}
-    )
-    base_model: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub id of the source for the model card (automatic for Hub sources)"}
-    )
-    license: str | None = dataclasses.field(
-        default=None, metadata={"help": "model card license (default: the source's, if its README.md says)"}
-    )
-    repo_id: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub repository ORG/NAME (also used in the model card's snippets)"}
-    )
-    push_to_hub: bool = dataclasses.field(default=False, metadata={"help": "upload the result to --repo-id"})
-    private: bool = dataclasses.field(default=False, metadata={"help": "create the Hub repository as private"})
-    progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
-    eval: bool = dataclasses.field(
-        default=True,
-        metadata={
-            "help": "after writing, report the result's perplexity next to the dense model's on held-out built-in "
-            "text (a few seconds; skipped above 1.5B parameters)"
-        },
-    )
-
-
 # Run options that decide the bytes of the output: saved with the recipe so that it rebuilds the same files.
 REPRODUCING_RUN_OPTIONS = ("model", "revision", "dtype", "max_shard_size")
 
@@ -135,37 +79,6 @@ def split_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     if unknown:
         raise ValueError(f"Unknown recipe keys {sorted(unknown)}; see `llama-moe convert --help` for the valid ones.")
     return {**recipe, "options": options}, run
-
-
-def check_types(instance) -> None:
-    """One ValueError for a field whose value does not have the annotated type (recipes come from YAML and
-    keyword arguments, which argparse does not check). Integers are accepted where floats are expected."""
-    hints = typing.get_type_hints(type(instance))
-    for field in dataclasses.fields(instance):
-        value = getattr(instance, field.name)
-        if not _has_type(value, hints[field.name]):
-            raise ValueError(f"{field.name} must be {_type_name(hints[field.name])}, got {value!r}.")
-
-
-def _has_type(value, annotation) -> bool:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, arg) for arg in args)
-    if annotation is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_has_type(item, args[0]) for item in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
-def _type_name(annotation) -> str:
-    return str(annotation).replace("typing.", "").replace("NoneType", "None")
 
 
 def to_yaml(fields: dict[str, Any]) -> str:
@@ -207,3 +120,40 @@ def load_recipe(path: str | Path) -> tuple[MoERecipe, dict[str, Any]]:
         raise ValueError(f"The recipe file {path} must hold a YAML mapping of settings.")
     recipe, run = split_fields(fields)
     return MoERecipe(**recipe), run
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+PRESETS_DIR = _PACKAGE / "presets" if (_PACKAGE / "presets").is_dir() else _PACKAGE.parent / "recipes" / "convert"
+# The best conversion without training measured so far (docs/quality.md, "How each default was chosen").
+BEST_PRESET = "g-moefication"
+
+
+def preset_names() -> list[str]:
+    """The presets there are, sorted (none when the package runs without its clone's `recipes/` folder)."""
+    return sorted(path.stem for path in PRESETS_DIR.glob("*.yaml"))
+
+
+def sparsity_presets() -> list[str]:
+    """`sparse-N`: the best measured recipe with N% of the FFN neurons active per token, by increasing N."""
+    names = [name for name in preset_names() if name.startswith("sparse-") and name[7:].isdigit()]
+    return sorted(names, key=lambda name: int(name[7:]))
+
+
+def preset_path(name: str) -> Path:
+    """The recipe file of preset `name`; one ValueError naming the presets for an unknown name."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(preset_names()) or f"none: {PRESETS_DIR} is missing"
+        raise ValueError(f"Unknown preset {name!r}; the presets are: {known}.")
+    return path
+
+
+def preset_description(name: str) -> str:
+    """The leading comment lines of the preset's file, up to its example command, as one paragraph."""
+    lines = []
+    for line in preset_path(name).read_text(encoding="utf-8").splitlines():
+        text = line.removeprefix("#").strip()
+        if not line.startswith("#") or text.startswith("llama-moe "):
+            break
+        lines.append(text)
+    return " ".join(lines)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoints.writer import atomic_file
+from ..checkpoints.atomic import atomic_file
 from .experts import ExpertSplit
 
 SPLIT_FILE_FORMAT = "llama-moe-hf-split/1"

@@ -64,7 +64,7 @@ class _LayerAccumulator:
         self.sample_rows: torch.Tensor | None = None  # rows of the current batch to keep
         self.batch_groups: torch.Tensor | None = None  # [T] group ids of the current batch, from sequence_groups
         # Filled in place, batch by batch: appending pieces and concatenating them at the end would leave the freed
-        # pieces in the allocator's heap and about double the resident memory (measured: 11.9 GB for 30 x 65536).
+        # pieces in the allocator's heap and about double the resident memory.
         self.samples = torch.empty(sample.numel(), self.hidden_size)
         self.num_sampled = 0
         self.activation_sum = torch.zeros(mlp.down_proj.in_features, dtype=torch.float64)

@@ -1,7 +1,6 @@
-"""What the components of a conversion share: the block they turn into experts, where a recipe holds its settings,
-and one layer's work in progress."""
+"""What the components of a conversion share: the block they turn into experts with its resolved settings, and one
+layer's work in progress."""
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,58 +9,9 @@ BLOCKS = {MLP: "mlp", ATTENTION: "self_attn"}  # the module of a decoder layer e
 
 
 @dataclass(frozen=True)
-class BlockSettings:
-    """One block's settings as a recipe gives them, by role (None: left to the components' defaults)."""
-
-    method: str | None = None
-    router_init: str | None = None
-    router_type: str | None = None
-    num_experts: int | None = None
-    top_k: int | None = None
-    num_shared_experts: int | None = None
-    score_scale_factor: float | list[float] | None = None
-    layers: list[str] | None = None
-
-
-ROLES = tuple(f.name for f in dataclasses.fields(BlockSettings))
-
-
-@dataclass(frozen=True)
-class Part:
-    """A block that becomes experts (`kind`) and the typed settings dataclasses a recipe holds its settings in: their
-    fields marked with a role (`role="num_experts"` in the field's metadata), the later dataclasses' over the
-    earlier's. `without`: roles the part does not have (SoapMoE's MLP has no gate type)."""
-
-    kind: str
-    settings_classes: tuple[type, ...]
-    without: tuple[str, ...] = ()
-
-    def fields(self) -> dict[str, str]:
-        """role -> the recipe field or component option that holds it."""
-        found = {}
-        for settings_class in self.settings_classes:
-            found |= {f.metadata["role"]: f.name for f in dataclasses.fields(settings_class) if "role" in f.metadata}
-        return {role: name for role, name in found.items() if role not in self.without}
-
-    def settings(self, recipe) -> BlockSettings:
-        """The part's settings in `recipe` (an option not set yet reads None)."""
-        return BlockSettings(**{role: _read(recipe, name) for role, name in self.fields().items()})
-
-    def with_settings(self, recipe, **values):
-        """`recipe` with these roles' settings replaced (roles the part does not have are left out)."""
-        names = {self.fields()[role]: value for role, value in values.items() if role in self.fields()}
-        fields = {name: value for name, value in names.items() if name in recipe.__dataclass_fields__}
-        options = {name: value for name, value in names.items() if name not in fields}
-        return dataclasses.replace(recipe, **fields, options={**recipe.options, **options})
-
-
-def _read(recipe, name: str):
-    return getattr(recipe, name) if name in recipe.__dataclass_fields__ else recipe.options.get(name)
-
-
-@dataclass(frozen=True)
 class Target:
-    """One block of the decoder layers that becomes experts (`mlp` or `attention`), with its resolved settings."""
+    """One block of the decoder layers that becomes experts (`mlp` or `attention`), with its resolved settings: the
+    plan's names, which `settings.Part` maps to the recipe fields of each family."""
 
     kind: str
     method: str

@@ -9,7 +9,7 @@ from .options import RESULTS_FILE, EvalOptions
 
 def evaluate(model_spec: str, options: EvalOptions, *, download=None) -> tuple[dict, Path]:
     """Evaluate `model_spec` (folder, Hub id, or `default`); returns the results and the file they were written to."""
-    from ..checkpoints.writer import atomic_file
+    from ..checkpoints.atomic import atomic_file
     from ..loading import load_model
     from ..preflight import check_writable, require
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..conversion.recipe import DTYPES
+from ..conversion.settings import DTYPES
 from .base import checkpoint_roles, is_unused_at_inference, tensor_order
 from .registry import TARGETS
 
@@ -86,8 +86,8 @@ def export_model(
     """
     import torch
 
+    from ..checkpoints.atomic import atomic_folder
     from ..checkpoints.converted import open_checkpoint
-    from ..checkpoints.writer import atomic_folder
     from ..conversion.pipeline import _check_not_source, _check_output
     from ..registry import option_names
     from .checkpoint import check_compensation

@@ -1,6 +1,7 @@
 """What every model card this package writes shares: Hub tags, the Usage section (with and without the package),
 links that work on the Hub, and, at push time, the card for the repository with what was measured since (evaluation
-results, routing plots). The conversion's own card (settings, recipe, parameters) is `conversion.card`; trained
+results, routing plots). Each writer renders its own card from these parts: a conversion's (settings, recipe,
+parameters) is `conversion.conversion_card`, healing adds its section (`conversion.healing.folder`), trained
 outputs' cards are `training.checkpoint`'s."""
 
 from pathlib import Path

@@ -1,8 +1,9 @@
 """Model families of llama-moe-hf. Importing this module registers them with the transformers Auto classes.
 
-Each family's config and heads are also registered for `save_pretrained`'s remote code: it copies the modeling
-files next to the weights and writes `auto_map` (every head: `LlamaMoEPreTrainedModel.add_auto_map`), so a saved
-folder loads with `trust_remote_code=True` where this package is not installed.
+Each family's config and heads are also registered for `save_pretrained`'s remote code: it copies the family's
+configuration and modeling files, and every file they import relatively (routers.py, moe_kernels.py, ...), next to
+the weights and writes `auto_map` (every head: `save_hooks.SaveWithHooksMixin.add_auto_map`), so a saved folder
+loads with `trust_remote_code=True` where this package is not installed. docs/modeling.md lists the files.
 """
 
 import transformers

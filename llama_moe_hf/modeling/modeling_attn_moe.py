@@ -50,9 +50,9 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder
 
+from .cache_compat import accepts_past_key_values
 from .configuration_attn_moe import AttnMoEConfig
 from .modeling_llama_moe import (
-    ROUTER_CLASSES,
     LlamaMoEDecoderLayer,
     LlamaMoEForCausalLM,
     LlamaMoEForQuestionAnswering,
@@ -60,12 +60,10 @@ from .modeling_llama_moe import (
     LlamaMoEForTokenClassification,
     LlamaMoEModel,
     LlamaMoEPreTrainedModel,
-    LlamaMoERouter,
-    accepts_past_key_values,
-    attach_router_loss,
-    expert_one_hot,
-    router_losses,
 )
+from .moe_kernels import expert_one_hot
+from .router_losses import attach_router_loss, router_losses
+from .routers import ROUTER_CLASSES, LlamaMoERouter
 
 logger = logging.get_logger(__name__)
 
@@ -94,11 +92,9 @@ class AttnMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 
 def compiled_decoding_sdpa_backend(query_states: torch.Tensor):  # [B, heads, S, head_dim]
-    """sdpa's math backend for a decoding step compiled for a GPU, else no change. Compiled for an H200 (torch 2.11,
-    static cache), the fused sdpa kernel that the masked path called gave wrong attention from the third layer on
-    (relative error 0.41 in the logits, top-1 agreement 0), while the math backend, eager attention and the
-    uncompiled step agreed; the cause inside inductor is not known. For one query token inductor's own code for
-    the math backend is the faster choice anyway (gpt-fast decodes so)."""
+    """sdpa's math backend for a decoding step compiled for a GPU, else no change: the fused sdpa kernel, compiled
+    there, gave wrong attention on this path (docs/benchmarks.md, "GPU checks and GPU runs"), and for one query
+    token inductor's own code for the math backend is the faster choice anyway (gpt-fast decodes so)."""
     if is_torchdynamo_compiling() and query_states.is_cuda and query_states.shape[-2] == 1:
         return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()

@@ -107,7 +107,7 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False):
 
 def _write(packed, output: Path, fmt: str, overwrite: bool) -> None:
     """Written next to `output` under a temporary name, renamed into place when complete."""
-    from ..checkpoints.writer import atomic_file, atomic_folder
+    from ..checkpoints.atomic import atomic_file, atomic_folder
 
     if fmt == "datasets":
         from datasets import Dataset

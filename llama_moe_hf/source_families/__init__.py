@@ -3,7 +3,7 @@
     llama.py  mistral.py  qwen2.py  qwen3.py  phi3.py
 
 Adding one is a module that registers a `SourceFamily` subclass under the family's `model_type` (and its tests:
-the upcycled model and the every-expert-on split equal the dense logits, tests/test_source_families.py). The CLI's
+the upcycled model and the every-expert-on split equal the dense logits, tests/conversion/test_source_families.py). The CLI's
 help, the README table and the recipe schema list `SOURCE_FAMILIES`. Importing this package imports nothing heavy.
 """
 

@@ -41,10 +41,10 @@ def save_complete_checkpoint(
     """Save `trainer.model` with everything needed to load and understand it into `output_dir`, atomically.
 
     Every process calls this: sharded models gather their weights in `save_model`, into a staging folder all ranks
-    name alike. The main process then builds the final folder in `atomic_folder`'s temporary sibling and swaps it in.
-    The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its last step, as do
-    the `extra` folders (name in the output: folder the main process wrote, e.g. a LoRA adapter)."""
-    from ..checkpoints.writer import atomic_folder, normal_permissions
+    name alike. The main process then completes it as `atomic_folder`'s temporary folder, which is swapped in with
+    normal permissions. The trainer's intermediate checkpoints already in `output_dir` move into the new folder as its
+    last step, as do the `extra` folders (name in the output: folder the main process wrote, e.g. a LoRA adapter)."""
+    from ..checkpoints.atomic import atomic_folder
 
     output = Path(output_dir).resolve()
     staging = output.with_name(f".{output.name}.staging")
@@ -55,16 +55,13 @@ def save_complete_checkpoint(
     try:
         trainer.save_model(str(staging))
         if main:
-            with atomic_folder(output) as tmp:
-                for entry in staging.iterdir():
-                    if entry.name != "training_args.bin":  # a pickle; the history records the arguments
-                        entry.rename(tmp / entry.name)
+            with atomic_folder(output, staging=staging) as tmp:
+                (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the history records the arguments
                 tokenizer.save_pretrained(tmp)
                 write_training_record(tmp, output.name, source, record)
                 (tmp / LOG_FILE).write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
                 for name, folder in (extra or {}).items():
                     Path(folder).rename(tmp / name)
-                normal_permissions(tmp)
                 for entry in output.glob("checkpoint-*") if output.is_dir() else []:
                     entry.rename(tmp / entry.name)
     finally:

@@ -12,17 +12,15 @@ One process holds (bytes; Psi = parameters, T = trainable parameters, N = tokens
     teacher       the distillation teacher's weights in its dtype and its logits (N x V x 4)
     overhead      the interpreter, torch, tokenizer and data (1.0 GiB measured on CPU; the CUDA context on a GPU)
 
-ZeRO and FSDP shard the model states as `memory.estimate_memory` says. The per-token layer terms count the tensors
+ZeRO and FSDP shard the model states as `estimate_memory` says (below). The per-token layer terms count the tensors
 autograd saves in a LLaMA layer with token-choice experts (norm inputs and outputs, q/k/v after RoPE, attention
 output, each selected expert's input rows, gate/up outputs, activation and product). The estimate is checked against
-measured peaks by `benchmarks/training_memory.py` (docs/training.md, "Memory").
+measured peaks by `benchmarks/memory/training_memory.py` (docs/training.md, "Memory").
 """
 
 import dataclasses
 import math
 import os
-
-from .memory import STRATEGIES, ParameterCounts, estimate_memory
 
 GIB = 1024**3
 OVERHEAD = {"cpu": 1.0 * GIB, "cuda": 1.5 * GIB}
@@ -63,6 +61,125 @@ class Footprint:
         parts = ("weights", "gradients", "optimizer", "activations", "teacher", "overhead")
         shown = ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in parts if getattr(self, name))
         return f"{self.total / GIB:.1f} GiB ({shown})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter counts and sharded model states
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Per-GPU bytes of the model states (weights, gradients, AdamW states, and the transient full copies that sharded
+# training all-gathers) under bf16 mixed precision; Psi = total parameters, N = GPUs:
+#
+#     DDP (torch autocast, accelerate `mixed_precision: bf16`): fp32 weights 4 (they are the master copy), fp32
+#         gradients 4, DDP's flat all-reduce buckets 4 (a second gradient copy unless `gradient_as_bucket_view=True`;
+#         N > 1 only), Adam moments 4 + 4, and the bf16 copies autocast makes of every weight 2 (alive from the
+#         forward to the backward)                                              -> 22 Psi (18 on one GPU)
+#     ZeRO-2 (DeepSpeed bf16): bf16 weights 2 on every GPU; bf16 gradients 2, fp32 master 4, moments 4 + 4
+#         partitioned                                                           -> 2 Psi + 14 Psi / N
+#     ZeRO-3: all of the 16 bytes partitioned                                   -> 16 Psi / N + gathered
+#     FSDP2 full shard (bf16 MixedPrecisionPolicy): sharded fp32 weights 4 (the master), fp32 gradients 4,
+#         moments 4 + 4                                                         -> 16 Psi / N + gathered
+#
+# "gathered" (ZeRO-3, FSDP2) is an estimate of the all-gathered bf16 working set: the parameters outside the decoder
+# layers (embeddings, final norm, LM head: FSDP2's root unit, which stays gathered from forward to backward), two
+# decoder layers (the one computing and the one prefetched) and one layer's unsharded gradients before their
+# reduce-scatter. Allocator fragmentation, the CUDA context and communication buffers come on top of all of this.
+
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2")
+BF16, FP32 = 2, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    total: int
+    active: int  # used per token: routed experts count k/E of their size (the conversion's own rule)
+    largest_layer: int  # the biggest decoder layer: one FSDP2 unit, what ZeRO-3 gathers for one layer
+    outside_layers: int  # embeddings, final norm and LM head (counted once when tied)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU of one strategy on `num_gpus` GPUs (model states only, no activations)."""
+
+    strategy: str
+    num_gpus: int
+    weights: float
+    gradients: float
+    optimizer: float  # fp32 master weights (where separate) and both Adam moments
+    working: float  # transient copies: autocast's bf16 weights (DDP), the all-gathered units (ZeRO-3, FSDP2)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.working
+
+
+def meta_model(config):
+    """The causal LM of `config` on the meta device: shapes only, no memory, no download."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import llama_moe_hf  # noqa: F401  (registers the MoE families with the Auto classes)
+
+    # The class itself, not `from_config`: under a ZeRO-3 TrainingArguments that would start deepspeed.zero.Init
+    # before the run has set up its processes.
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def parameter_counts(config, model=None) -> ParameterCounts:
+    """Total and active parameters of a dense LLaMA config or any of this package's MoE configs, exactly, from the
+    parameter shapes of a meta-device model (`model`, or one built; tied weights counted once)."""
+    from ..conversion.pipeline import count_parameters
+    from ..conversion.registry import FAMILIES
+
+    model = model if model is not None else meta_model(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if config.model_type in FAMILIES:
+        total, active = count_parameters(config, shapes)
+    else:  # dense: every parameter is used by every token
+        total = active = sum(math.prod(shape) for shape in shapes.values())
+    layers = [0] * config.num_hidden_layers
+    for name, shape in shapes.items():
+        if name.startswith("model.layers."):
+            layers[int(name.split(".")[2])] += math.prod(shape)
+    return ParameterCounts(total, active, max(layers), total - sum(layers))
+
+
+def moe_config(dense_config, **recipe_fields):
+    """The MoE config a conversion of `dense_config` would write (e.g. `method="upcycle", num_experts=8,
+    top_k=2`), resolved by the conversion's own planner: no weights are read."""
+    from ..conversion.plan import ConversionPlan
+    from ..conversion.recipe import MoERecipe
+
+    return ConversionPlan.create(MoERecipe.from_dict(recipe_fields), dense_config).config
+
+
+def _gathered(counts: ParameterCounts) -> float:
+    """Estimate of the all-gathered bf16 working set of ZeRO-3 / FSDP2 (see above)."""
+    params = counts.outside_layers + 2 * counts.largest_layer
+    grads = max(counts.outside_layers, counts.largest_layer)
+    return BF16 * (params + grads)
+
+
+def estimate_memory(counts: ParameterCounts, strategy: str, num_gpus: int) -> MemoryEstimate:
+    """Per-GPU bytes of full fine-tuning with AdamW, bf16 mixed precision, under `strategy` on `num_gpus` GPUs."""
+    psi, n = counts.total, num_gpus
+    if strategy == "ddp":
+        buckets = FP32 * psi if n > 1 else 0  # one process trains without DDP
+        return MemoryEstimate(strategy, n, FP32 * psi, FP32 * psi + buckets, 2 * FP32 * psi, BF16 * psi)
+    if strategy == "zero2":
+        return MemoryEstimate(strategy, n, BF16 * psi, BF16 * psi / n, 3 * FP32 * psi / n, 0.0)
+    if strategy == "zero3":
+        return MemoryEstimate(strategy, n, BF16 * psi / n, BF16 * psi / n, 3 * FP32 * psi / n, _gathered(counts))
+    if strategy == "fsdp2":
+        return MemoryEstimate(strategy, n, FP32 * psi / n, FP32 * psi / n, 2 * FP32 * psi / n, _gathered(counts))
+    raise ValueError(f"Unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One training process
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def optimizer_state_bytes(optim: str) -> float:

@@ -38,7 +38,7 @@ def build_offline_data(options: OfflineDataOptions) -> dict[str, dict[str, int]]
     """Write every domain's train/test files under `options.output`; returns the row counts."""
     import numpy as np
 
-    from ..checkpoints.writer import atomic_folder
+    from ..checkpoints.atomic import atomic_folder
     from ..preflight import check_writable
 
     if Path(options.output).exists() and not options.overwrite:

@@ -13,7 +13,6 @@ Light (no torch or transformers at import): the recipes' preflight checks `--res
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -93,10 +92,10 @@ def check_run_shape(checkpoint: Path, training) -> None:
 
 
 def remove(folder: Path) -> None:
-    """Rename first (one atomic step: other processes see the folder whole or not at all), then delete."""
-    doomed = folder.with_name(f".removing-{folder.name}")
-    folder.rename(doomed)
-    shutil.rmtree(doomed)
+    """Other processes see the checkpoint whole or not at all (`checkpoints.atomic.remove_folder`)."""
+    from ..checkpoints.atomic import remove_folder  # here: `checkpoints` imports torch, this module must not
+
+    remove_folder(folder)
 
 
 def checkpoint_step(path: Path) -> int | None:

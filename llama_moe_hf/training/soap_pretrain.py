@@ -22,7 +22,7 @@ from datasets import Dataset
 from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from ..checkpoints.writer import atomic_file, atomic_folder
+from ..checkpoints.atomic import atomic_file, atomic_folder
 from ..conversion.build import build_moe
 from ..modeling import SoapMoEForCausalLM
 from ..modeling.modeling_soap_moe import expert_utilization
@@ -33,8 +33,7 @@ from ..text.documents import load_texts
 from ..text.tokens import document_tokens, pack
 from .checkpoint import save_complete_checkpoint, stage_record
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
-from .footprint import FORCE_HELP
-from .memory import moe_config
+from .footprint import FORCE_HELP, moe_config
 from .memory_check import check_recipe_memory
 from .resume import (
     LATEST,

@@ -36,7 +36,7 @@ class AttentionProbe(Probe):
     @staticmethod
     def expert_outputs(site: Site, args: tuple, kwargs: dict, limit: int) -> torch.Tensor:
         """Expert e's output is the attention with only e selected at weight 1, on whole sequences."""
-        from ...modeling.modeling_llama_moe import CACHE_ARG
+        from ...modeling.cache_compat import CACHE_ARG
 
         kwargs = dict(kwargs)
         states = args[0] if args else kwargs.pop("hidden_states")  # [B, S, H]

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 PROBES: dict[str, type["Probe"]] = {}
@@ -88,8 +87,9 @@ def fused_expert_weights(experts: nn.Module) -> torch.Tensor:
 
 def swiglu_expert(experts: nn.Module, states: torch.Tensor, e: int) -> torch.Tensor:
     """Expert `e` of fused `gate_up_proj [E, 2m, H]` / `down_proj [E, H, m]` experts on `[N, H]` states: `[N, H]`."""
-    gate, up = F.linear(states, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+    from ...modeling.moe_kernels import swiglu_linear
+
+    return swiglu_linear(states, experts.gate_up_proj[e], experts.down_proj[e], experts.act_fn)
 
 
 def one_hot_load(index: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -3,46 +3,44 @@
 import dataclasses
 
 from ...source_families import SOURCE_FAMILIES, dense_config_fields
-from ..choices import ATTENTION_GRANULARITIES
 from ..registry import FAMILIES, ROUTER_INITS, option
-from ..target import ATTENTION, MLP, Part
-from .base import (
-    MLP_PART,
-    ModelFamily,
-    layers_text,
-    mlp_card_rows,
-    mlp_config_fields,
-    mlp_info_line,
-)
+from ..settings import ATTENTION_GRANULARITIES, MLP_PART, Part
+from ..target import ATTENTION, MLP
+from .base import ModelFamily, layers_text, mlp_card_rows, mlp_config_fields, mlp_info_line
 
 
 @dataclasses.dataclass(frozen=True)
 class AttnMoEOptions:
-    attn_experts: int | None = option(
-        None, "attention experts per layer (default: one per KV head)", role="num_experts"
-    )
-    attn_top_k: int | None = option(None, "attention experts per token (default: half of them)", role="top_k")
+    attn_experts: int | None = option(None, "attention experts per layer (default: one per KV head)")
+    attn_top_k: int | None = option(None, "attention experts per token (default: half of them)")
     attn_granularity: str | None = option(
         None,
         "an expert is whole KV groups or query heads of one group (default: kv_group if experts <= KV heads)",
         choices=ATTENTION_GRANULARITIES,
     )
-    attn_score_scale_factor: float | None = option(
-        None, "attention expert output scale (default: the top-k)", role="score_scale_factor"
-    )
-    attn_router_type: str | None = option(None, "gate of the attention routers (default: top_k)", role="router_type")
+    attn_score_scale_factor: float | None = option(None, "attention expert output scale (default: the top-k)")
+    attn_router_type: str | None = option(None, "gate of the attention routers (default: top_k)")
     attn_router_init: str | None = option(
         None,
         "attention routers: zero, random, or fit on calibration text (default: --router-init if it applies, "
         "else random)",
-        role="router_init",
     )
-    attn_method: str = option("attention_heads", "how the attention heads become experts", role="method")
-    attn_layers: list[str] | None = option(None, "decoder layers with attention experts (default: all)", role="layers")
+    attn_method: str = option("attention_heads", "how the attention heads become experts")
+    attn_layers: list[str] | None = option(None, "decoder layers with attention experts (default: all)")
     mlp_moe: bool = option(False, "also turn the MLPs into an MoE (the MLP options apply)")
 
 
-ATTENTION_PART = Part(ATTENTION, (AttnMoEOptions,), without=("num_shared_experts",))
+ATTENTION_PART = Part(
+    ATTENTION,
+    method="attn_method",
+    router_init="attn_router_init",
+    router_type="attn_router_type",
+    num_experts="attn_experts",
+    top_k="attn_top_k",
+    num_shared_experts=None,
+    score_scale_factor="attn_score_scale_factor",
+    layers="attn_layers",
+)
 
 
 @FAMILIES.register("attn_moe")
@@ -65,22 +63,25 @@ class AttnMoEFamily(ModelFamily):
             flags = ", ".join("--" + name.replace("_", "-") for name in changed)
             raise ValueError(f"{flags} shape an MLP MoE; add --mlp-moe to convert the MLPs as well as the attention.")
 
-    def resolve(self, recipe, dense_config):
-        if dense_config is not None and not SOURCE_FAMILIES[dense_config.model_type].llama_attention:
+    def resolve(self, recipe):
+        options = dict(recipe.options)
+        if options.get("attn_router_init") is None:  # the MLP's init if it can start attention routers
+            inherit = recipe.router_init in ROUTER_INITS and ATTENTION in ROUTER_INITS[recipe.router_init].targets
+            options["attn_router_init"] = recipe.router_init if inherit else "random"
+        return dataclasses.replace(recipe, options=options)
+
+    def resolve_for_model(self, recipe, dense_config):
+        if not SOURCE_FAMILIES[dense_config.model_type].llama_attention:
             raise ValueError(
                 f"The attn_moe family turns LLaMA attention heads into experts; a {dense_config.model_type!r} "
                 "model's attention differs (biases, q/k norms, fused projections or windows). Use llama_moe or "
                 "soap_moe for it."
             )
         options = dict(recipe.options)
-        if options.get("attn_router_init") is None:  # the MLP's init if it can start attention routers
-            inherit = recipe.router_init in ROUTER_INITS and ATTENTION in ROUTER_INITS[recipe.router_init].targets
-            options["attn_router_init"] = recipe.router_init if inherit else "random"
-        if dense_config is not None:
-            if options.get("attn_experts") is None:
-                options["attn_experts"] = dense_config.num_key_value_heads or dense_config.num_attention_heads
-            if options.get("attn_top_k") is None:
-                options["attn_top_k"] = max(1, options["attn_experts"] // 2)
+        if options.get("attn_experts") is None:
+            options["attn_experts"] = dense_config.num_key_value_heads or dense_config.num_attention_heads
+        if options.get("attn_top_k") is None:
+            options["attn_top_k"] = max(1, options["attn_experts"] // 2)
         return dataclasses.replace(recipe, options=options)
 
     def build_config(self, dense_config, recipe, plan):

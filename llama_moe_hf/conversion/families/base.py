@@ -2,17 +2,15 @@
 
 import dataclasses
 
-from ..recipe_fields import RecipeFields
 from ..registry import NoOptions
-from ..target import MLP, Part
-
-MLP_PART = Part(MLP, (RecipeFields,))  # an MLP MoE's settings: the recipe's fields with a role
+from ..settings import MLP_PART
+from ..target import MLP
 
 
 class ModelFamily:
     """An output model family, registered under its config's `model_type` with `@FAMILIES.register(model_type)`.
 
-    It says which blocks of the decoder layers become experts (`parts`: each block's typed settings in a recipe),
+    It says which blocks of the decoder layers become experts (`parts`: where a recipe holds each block's settings),
     builds the output config, and describes a checkpoint in the model card and `llama-moe info`.
     """
 
@@ -26,8 +24,12 @@ class ModelFamily:
         """The blocks that become experts, in layer order of conversion."""
         return list(self.parts)
 
-    def resolve(self, recipe, dense_config):
-        """The family's own defaults filled in (`dense_config` may be None before the source is opened)."""
+    def resolve(self, recipe):
+        """The family's own defaults that need no source model filled in."""
+        return recipe
+
+    def resolve_for_model(self, recipe, dense_config):
+        """The family's own defaults that depend on the source model's config filled in, or one ValueError."""
         return recipe
 
     def check(self, recipe) -> None:

@@ -3,10 +3,9 @@
 import dataclasses
 
 from ...source_families import dense_config_fields
-from ..choices import ROUTING_MODES
-from ..recipe_fields import RecipeFields
 from ..registry import FAMILIES, option
-from ..target import MLP, Part
+from ..settings import ROUTING_MODES, Part
+from ..target import MLP
 from .base import ModelFamily, layers_text
 
 # Recipe fields of the LlamaMoE MLP that SOAP does not use, with what to set instead.
@@ -25,14 +24,12 @@ class SoapMoEOptions:
     routing_mode: str = option(
         "segment", "generation: re-route every segment, or route once on the prompt", choices=ROUTING_MODES
     )
-    merge_top_k: int | None = option(
-        None, "merge only the k highest-weighted experts per segment (default: all)", role="top_k"
-    )
-    soap_method: str = option("upcycle", "how the experts start", choices=("upcycle",), role="method")
+    merge_top_k: int | None = option(None, "merge only the k highest-weighted experts per segment (default: all)")
+    soap_method: str = option("upcycle", "how the experts start", choices=("upcycle",))
 
 
 # The experts: the recipe's MLP settings with SOAP's method and merge top-k; no gate type, no shared experts
-SOAP_PART = Part(MLP, (RecipeFields, SoapMoEOptions), without=("router_type", "num_shared_experts"))
+SOAP_PART = Part(MLP, method="soap_method", top_k="merge_top_k", router_type=None, num_shared_experts=None)
 
 
 @FAMILIES.register("soap_moe")

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from ..choices import CLUSTER_ON
 from ..registry import METHODS, option
+from ..settings import CLUSTER_ON
 from .base import CalibratedSplit
 
 

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from ..choices import SELECTOR_OBJECTIVES
 from ..registry import ROUTER_INITS, option
+from ..settings import SELECTOR_OBJECTIVES
 from ..target import MLP, SELECTOR_STREAM, layer_seed
 from .base import RouterInit
 

@@ -1,0 +1,1 @@
+"""Memory: conversion peaks (safetensors and GGUF sources), training peaks against their estimate, GPU fit tables."""

@@ -1,0 +1,37 @@
+"""Held-out perplexity of converted folders next to the dense model's (the texts and windows: benchmarks/common.py).
+
+python benchmarks/quality/heldout.py outputs/smollm2-carve
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
+
+from benchmarks.common import MAX_TOKENS, heldout_tokens, perplexities, report
+from llama_moe_hf.loading import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+", help="converted model folders")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="held-out tokens per text")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dense, tokenizer, _ = load_model("default", dtype="float32", device="cpu")
+    tokens = heldout_tokens(tokenizer, args.max_tokens)
+    reference = perplexities(dense, tokens)
+    print(report("dense", reference, reference), flush=True)
+    for folder in args.models:
+        model, _, _ = load_model(folder, dtype="float32", device="cpu")
+        start = time.perf_counter()
+        print(report(folder, perplexities(model, tokens), reference), f"[{time.perf_counter() - start:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()

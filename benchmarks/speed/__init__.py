@@ -1,0 +1,1 @@
+"""Speed: decoding, prefill, MoE and attention layers, training steps, the command line, llama.cpp."""

@@ -1,0 +1,135 @@
+"""llama.cpp decoding speed of the built-in SmolLM2 and its 8-expert splits, all written by `llama-moe export`.
+
+The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split) are exported through the same
+GGUF writer at F16 and at Q8_0 (`--outtype q8_0`), then decoded by llama.cpp through llama-cpp-python (2 threads,
+batch 1, greedy argmax of the logits, 48 tokens after a chat prompt), the models interleaved round by round; the
+median of the rounds per model. Each figure is also given against the model's bandwidth limit: the weight bytes a
+decoding step reads (every tensor of the file, but k of the 8 experts of the expert tensors and one row of the
+token embedding when the output matrix is separate) over a copy bandwidth measured in the same process
+(`benchmarks.common.copy_bandwidth`: torch's copy on `--threads` threads).
+
+llama-cpp-python builds llama.cpp from source: install it in the benchmark's own environment, never for CI.
+
+    pip install llama-cpp-python==0.3.36
+    python benchmarks/speed/llama_cpp_decode.py                        # F16 and Q8_0, 5 rounds
+    python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 --rounds 9
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
+
+from benchmarks.common import copy_bandwidth
+
+PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
+
+
+def exported_models(tmp: Path, top_ks: list[int], outtypes: list[str]) -> dict[str, Path]:
+    """'dense F16', '2/8 Q8_0', ... -> the GGUF file."""
+    from llama_moe_hf import convert_to_moe
+    from llama_moe_hf.checkpoints import default_model_path
+    from llama_moe_hf.export import export_model
+
+    folders = {"dense": Path(default_model_path())}
+    for k in top_ks:
+        folders[f"{k}/8"] = convert_to_moe(None, tmp / f"moe{k}", num_experts=8, top_k=k, progress=False).output_dir
+    files = {}
+    for name, folder in folders.items():
+        for outtype in outtypes:
+            options = {"dtype": "float16"} if outtype == "f16" else {"outtype": "q8_0"}
+            result = export_model(folder, "gguf", tmp / f"{name.replace('/', '-')}-{outtype}", progress=False,
+                                  tokenizer_pre="smollm", **options)  # fmt: skip
+            files[f"{name} {outtype.upper()}"] = result.output_dir / result.files[0]
+    return files
+
+
+def read_bytes_per_token(gguf_file: Path) -> int:
+    """Bytes of the weights one decoding step reads (see the module)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    share = fields.get("llama.expert_used_count", 1) / fields.get("llama.expert_count", 1)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    total = 0
+    for tensor in reader.tensors:
+        size = int(tensor.n_bytes)
+        if "_exps." in tensor.name:
+            size = int(size * share)
+        elif tensor.name == "token_embd.weight" and not tied:
+            size //= int(tensor.shape[-1])  # one row of [V, H] (GGUF lists H first)
+        total += size
+    return total
+
+
+def decode_rate(llm, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """Tokens/s of greedy decoding after the prompt (the prompt's evaluation is not timed), and llama.cpp's own
+    count of its decoding time per token (ms; `llama_perf_context`, which leaves out the Python around it)."""
+    import llama_cpp
+
+    llm.reset()
+    llm.eval(prompt_ids)
+    llama_cpp.llama_perf_context_reset(llm.ctx)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    elapsed = time.perf_counter() - start
+    perf = llama_cpp.llama_perf_context(llm.ctx)
+    return new_tokens / elapsed, perf.t_eval_ms / max(perf.n_eval, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--outtypes", nargs="+", default=["f16", "q8_0"], choices=["f16", "q8_0"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    import llama_cpp
+    import torch
+    from transformers import AutoTokenizer
+
+    from llama_moe_hf.checkpoints import default_model_path
+
+    torch.set_num_threads(args.threads)  # the copy bandwidth's threads, as llama.cpp's
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+    with tempfile.TemporaryDirectory() as tmp:
+        files = exported_models(Path(tmp), args.top_k, args.outtypes)
+        models = {
+            name: llama_cpp.Llama(str(path), n_ctx=512, n_threads=args.threads, logits_all=True, verbose=False)
+            for name, path in files.items()
+        }
+        step_bytes = {name: read_bytes_per_token(path) for name, path in files.items()}
+        bandwidth = copy_bandwidth()
+        rates, own_ms = {name: [] for name in models}, {name: [] for name in models}
+        for round_idx in range(args.rounds + 1):  # the first round warms up
+            for name, llm in models.items():
+                rate, ms = decode_rate(llm, prompt_ids, args.new_tokens)
+                if round_idx:
+                    rates[name].append(rate)
+                    own_ms[name].append(ms)
+    print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, {args.new_tokens} greedy tokens, "
+          f"median of {args.rounds} interleaved rounds; copy bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+    print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense (same type) | share of "
+          "limit | llama.cpp's eval ms/token |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, values in rates.items():
+        rate, outtype = statistics.median(values), name.split()[-1]
+        dense = statistics.median(rates[f"dense {outtype}"])
+        limit = bandwidth * 1e9 / step_bytes[name]
+        print(f"| {name} | {step_bytes[name] / 1e6:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | "
+              f"{rate / limit:.0%} | {statistics.median(own_ms[name]):.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The conversion's model card (README.md of a converted checkpoint): Hub metadata, the settings table (from the
+family and its components), the recipe it was built from, parameter counts; the parts every card shares (tags, the
+Usage section, public names) are `hub.card`'s. Here, not in `hub`: it reads the plan and the recipe (conversion)."""
+
+from pathlib import Path
+
+from ..hub.card import (
+    PROJECT_URL,
+    REFERENCES,
+    TAGS,
+    absolute_doc_links,
+    has_tokenizer,
+    public,
+    public_recipe,
+    usage_section,
+)
+
+
+def _human(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def render_model_card(plan, source, total: int, active: int, quality=None, tokenizer: bool = True) -> str:
+    """The README.md text of the checkpoint `plan` builds from `source` (`tokenizer`: whether it has tokenizer
+    files)."""
+    from huggingface_hub import ModelCard
+
+    from .recipe import RECIPE_FILE, to_yaml
+
+    model_id = plan.run.repo_id or Path(plan.run.output).name  # never a local path: `push` names the repository
+    base_model = plan.run.base_model or source.hub_id
+    notes = " ".join(method.card_note() for method, _ in plan.components.values())
+    base_text = (
+        f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{public(source.description)}`"
+    )
+    body = f"""
+# {Path(model_id).name}
+
+A Mixture-of-Experts model converted from the dense {base_text} with
+[llama-moe-hf]({PROJECT_URL}) (LLaMA-MoE-style expert construction).
+
+This checkpoint was converted, not trained. {notes}
+{quality_section(quality)}
+## Conversion
+
+| Setting | Value |
+|---|---|
+{_settings_rows(plan, source)}
+
+Built from this recipe (`{RECIPE_FILE}` in this repository; `llama-moe convert --config {RECIPE_FILE} --output DIR`
+builds the same weights again):
+
+```yaml
+{to_yaml(public_recipe(plan.asked.to_dict()))}```
+
+## Parameters
+
+| | Parameters |
+|---|---|
+| Total | {total:,} ({_human(total)}) |
+| Active per token | {active:,} ({_human(active)}) |
+
+Active parameters count everything a token uses: embeddings, attention, norms, routers, shared experts and the
+routed experts it is sent to. Computed exactly from the tensor shapes.
+
+{usage_section(model_id, tokenizer=tokenizer, source=base_model)}
+
+## References
+
+{REFERENCES}
+"""
+    return str(ModelCard(f"---\n{_metadata(plan, source, base_model).to_yaml()}\n---\n{body}"))
+
+
+def _metadata(plan, source, base_model):
+    from huggingface_hub import ModelCardData
+
+    methods = [method.name for method, _ in plan.components.values()]
+    return ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=plan.run.license or source.license,
+        tags=TAGS + [f"moe-{name}" for name in methods] + [plan.family.name.replace("_", "-")],
+    )
+
+
+def _settings_rows(plan, source) -> str:
+    """The family's rows (from its registered components), then what every conversion records."""
+    settings = plan.family.card_rows(plan.config, plan) + [
+        ("Seed", plan.recipe.seed),
+        ("Weights dtype", str(plan.config.dtype).replace("torch.", "")),
+        ("Source", f"`{public(source.description)}`"),
+        ("Source family", _source_family_text(plan.config)),
+    ]
+    return "\n".join(f"| {name} | {value} |" for name, value in settings)
+
+
+def _source_family_text(config) -> str:
+    """The source family, with what of its attention the model keeps (its transformers modules, as they are)."""
+    from ..source_families import SOURCE_FAMILIES
+
+    family = SOURCE_FAMILIES[config.source_model_type]
+    kept = f"attention, norms and RoPE are transformers' own {family.name} modules"
+    return f"`{family.name}`: {family.description} ({kept})"
+
+
+def quality_section(quality) -> str:
+    """What the conversion's quick check measured (`quick_check.QuickCheck`), if it ran."""
+    if quality is None:
+        return ""
+    return f"""
+**Measured after conversion**: {absolute_doc_links(quality.describe())}. `llama-moe eval` measures more (other text,
+lm-eval tasks).
+"""
+
+
+def write_model_card(folder: Path, plan, source, total: int, active: int, quality=None) -> Path:
+    path = Path(folder) / "README.md"
+    text = render_model_card(plan, source, total, active, quality, tokenizer=has_tokenizer(folder))
+    path.write_text(text, encoding="utf-8")
+    return path
