@@ -15,7 +15,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,13 +53,16 @@ def atomic_file(path: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_folder(output: Path, *, staging: Path | None = None, replace: bool = True) -> Iterator[Path]:
+def atomic_folder(
+    output: Path, *, staging: Path | None = None, replace: bool = True, last: Callable[[Path], None] | None = None
+) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `output`; on success its contents get normal permissions and it
     replaces `output`; on any error it is removed (with the parent folders this call created, when left empty).
 
     staging: an existing folder beside `output` to use as the temporary one (several processes wrote into it under a
     name they all know). replace=False: an `output` that exists at the end is kept and the rename fails (`OSError`),
-    e.g. when another process prepared the same folder first."""
+    e.g. when another process prepared the same folder first. last: called with the temporary folder after the
+    permission pass, just before the swap, to move whole folders in as they are (a run's checkpoints)."""
     output = Path(output)
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +75,8 @@ def atomic_folder(output: Path, *, staging: Path | None = None, replace: bool = 
         yield tmp
         tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; the output folder should not be
         normal_permissions(tmp)
+        if last is not None:
+            last(tmp)
         if replace and output.exists():  # --overwrite: swap only now that the new folder is complete
             output.rename(old)
         tmp.rename(output)

@@ -60,6 +60,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     from .calibration import CalibrationContext
     from .plan import ConversionPlan, resolve_recipe
 
+    run.check()  # before the output is checked, as the run's own settings always were
     output = _check_output(run)
     if run.save_split:
         check_writable(run.save_split, "--save-split")

@@ -227,8 +227,7 @@ class RunOptions:
     def check(self) -> None:
         """One ValueError for the first impossible value among the run options."""
         check_types(self)
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)} (or leave it unset).")
+        check_dtype(self.dtype)
         if self.calibration_batch_size < 1:
             raise ValueError(f"--calibration-batch-size must be at least 1, got {self.calibration_batch_size}.")
 
@@ -241,12 +240,12 @@ class Part:
 
     kind: str
     method: str = "method"
-    router_init: str = "router_init"
-    router_type: str | None = "router_type"
     num_experts: str = "num_experts"
     top_k: str = "top_k"
     num_shared_experts: str | None = "num_shared_experts"
     score_scale_factor: str = "score_scale_factor"
+    router_type: str | None = "router_type"
+    router_init: str = "router_init"
     layers: str = "moe_layers"
 
     def fields(self) -> dict[str, str]:
@@ -276,6 +275,11 @@ def _read(recipe, name: str):
 def flag(name: str) -> str:
     """The command-line flag of a setting: `top_k` -> `--top-k`."""
     return "--" + name.replace("_", "-")
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} (or leave it unset).")
 
 
 def check_choice(name: str, value, choices) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..conversion.settings import DTYPES
+from ..conversion.settings import DTYPES, check_dtype
 from .base import checkpoint_roles, is_unused_at_inference, tensor_order
 from .registry import TARGETS
 
@@ -97,6 +97,7 @@ def export_model(
     if unknown:
         raise ValueError(f"Export target {to!r} has no options {unknown}.")
     run = ExportOptions(to=to, output=str(output), overwrite=overwrite, dtype=dtype, progress=progress)
+    check_dtype(dtype)
     destination = _check_output(run)  # the same rules and messages as `convert`
     checkpoint = open_checkpoint(model)
     _check_not_source(destination, checkpoint)

@@ -55,15 +55,11 @@ def save_complete_checkpoint(
     try:
         trainer.save_model(str(staging))
         if main:
-            with atomic_folder(output, staging=staging) as tmp:
+            with atomic_folder(output, staging=staging, last=lambda tmp: _move_in(tmp, output, extra)) as tmp:
                 (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the history records the arguments
                 tokenizer.save_pretrained(tmp)
                 write_training_record(tmp, output.name, source, record)
                 (tmp / LOG_FILE).write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
-                for name, folder in (extra or {}).items():
-                    Path(folder).rename(tmp / name)
-                for entry in output.glob("checkpoint-*") if output.is_dir() else []:
-                    entry.rename(tmp / entry.name)
     finally:
         if main:
             shutil.rmtree(staging, ignore_errors=True)
@@ -73,6 +69,15 @@ def save_complete_checkpoint(
                 output.rmdir()
     trainer.accelerator.wait_for_everyone()
     return output
+
+
+def _move_in(tmp: Path, output: Path, extra: dict[str, Path] | None) -> None:
+    """The `extra` folders and the trainer's checkpoints into the finished folder, as they are, as the last step before
+    it is swapped in (they are not walked again)."""
+    for name, folder in (extra or {}).items():
+        Path(folder).rename(tmp / name)
+    for entry in output.glob("checkpoint-*") if output.is_dir() else []:
+        entry.rename(tmp / entry.name)
 
 
 def write_training_record(folder: Path, name: str, source: str, record: dict) -> None:

@@ -273,6 +273,13 @@ def test_gguf_takes_the_dense_source_as_llama_cpp_writes_llama(tiny_dense, tmp_p
         export_model(dense, "mixtral", tmp_path / "mixtral", progress=False)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_an_unknown_dtype_is_refused_before_anything_is_read_or_written(tmp_path, dtype):
+    with pytest.raises(ValueError, match=f"Unknown dtype '{dtype}'; choose one of float32, bfloat16, float16"):
+        export_model(tmp_path / "no-such-model", "mixtral", tmp_path / "out", dtype=dtype, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def save_tiny_dense_bpe(path, vocab_size: int = 264):
     """A tiny dense LLaMA with a byte-level BPE tokenizer (256 bytes, one merge, two special tokens) whose
     vocabulary is smaller than the model's, as llama.cpp's converter pads it."""

@@ -281,11 +281,13 @@ def _swiglu(inputs: torch.Tensor, dense_mlp: dict, activation: str) -> torch.Ten
     """The dense MLP's output (`mlp.gate_proj` etc. of the source layer) on `[T, H]` inputs, in chunks."""
     from transformers.activations import ACT2FN
 
-    from ...modeling.moe_kernels import swiglu_linear
+    from ...modeling.moe_kernels import swiglu
 
+    act = ACT2FN[activation]
     gate, up, down = (dense_mlp[f"mlp.{n}_proj.weight"].to(inputs) for n in ("gate", "up", "down"))
-    gate_up = torch.cat([gate, up])
-    return torch.cat([swiglu_linear(x, gate_up, down, ACT2FN[activation]) for x in inputs.split(8192)])
+    # two products, as the dense model computes them (one on the concatenated weights would round differently)
+    pre = (torch.cat([F.linear(x, gate), F.linear(x, up)], dim=-1) for x in inputs.split(8192))
+    return torch.cat([F.linear(swiglu(p, act), down) for p in pre])
 
 
 def _is_moe(mlp) -> bool:
