@@ -301,3 +301,21 @@ def run_generation_script(folders: list[Path], prompts: list[list[int]], *flags:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(folders[0]).parent)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def interrupt_the_second_replace(monkeypatch) -> None:
+    """`checkpoints.atomic`'s `os.replace` raises KeyboardInterrupt on its second call, after one file was swapped in
+    (`monkeypatch.undo()` restores it)."""
+    import os
+
+    from llama_moe_hf.checkpoints import atomic
+
+    real_replace, calls = os.replace, []
+
+    def interrupted(source, target):
+        calls.append(target)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(source, target)
+
+    monkeypatch.setattr(atomic.os, "replace", interrupted)

@@ -12,10 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILY_FIELDS, FakeHfApi, load_as_remote_code, run_generation_script, tiny_family_model
+from helpers import (
+    FAMILY_FIELDS,
+    FakeHfApi,
+    interrupt_the_second_replace,
+    load_as_remote_code,
+    run_generation_script,
+    tiny_family_model,
+)
 from transformers import AutoModelForCausalLM
 
-import llama_moe_hf.checkpoints.atomic as atomic
 import llama_moe_hf.hub.upgrade as upgrade
 from llama_moe_hf import convert_to_moe
 from llama_moe_hf.commands import main
@@ -139,15 +145,8 @@ def test_a_folder_of_model_code_0_3_6_gets_the_files_0_4_0_split_out_and_loads_w
 
 
 def test_an_interrupted_upgrade_leaves_the_folder_as_it_was(old, monkeypatch):
-    before, real_replace, calls = contents(old), os.replace, []
-
-    def interrupted(source, target):
-        calls.append(target)
-        if len(calls) == 2:  # after one file was swapped in
-            raise KeyboardInterrupt
-        real_replace(source, target)
-
-    monkeypatch.setattr(atomic.os, "replace", interrupted)
+    before = contents(old)
+    interrupt_the_second_replace(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         upgrade.upgrade_folder(old)
     monkeypatch.undo()

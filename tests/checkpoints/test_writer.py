@@ -7,10 +7,10 @@ import stat
 
 import pytest
 import torch
+from helpers import interrupt_the_second_replace
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from llama_moe_hf.checkpoints import atomic
 from llama_moe_hf.checkpoints.atomic import atomic_file, atomic_folder, remove_folder, replace_files
 from llama_moe_hf.checkpoints.writer import SAFE_INDEX, SAFE_WEIGHTS, ShardedWriter, read_shapes
 
@@ -124,15 +124,7 @@ def test_replace_files_is_all_or_nothing_and_leaves_the_other_files_alone(tmp_pa
     (tmp_path / "weights.bin").write_bytes(b"weights")
     inode = (tmp_path / "weights.bin").stat().st_ino
     files = {"config.json": b"new config", "code.py": b"new code"}
-    real_replace, calls = os.replace, []
-
-    def interrupted(source, target):
-        calls.append(target)
-        if len(calls) == 2:  # after one file was swapped in
-            raise KeyboardInterrupt
-        real_replace(source, target)
-
-    monkeypatch.setattr(atomic.os, "replace", interrupted)
+    interrupt_the_second_replace(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         replace_files(tmp_path, files)
     monkeypatch.undo()
