@@ -14,9 +14,9 @@ shows the rows of its latest run, in file order. `benchmarks.common.record` appe
 and date filled in. Rows transcribed from earlier docs keep the command and date their table was recorded with
 (the date of the commit that added it where the docs gave none).
 
-Two tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
-the tutorial ratio) and `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
-all cases; later single-case reruns stay in the file and the prose).
+Three tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
+the tutorial ratio), `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
+all cases; later single-case reruns stay in the file and the prose) and `btx` (results/btx.jsonl's latest run).
 """
 
 import argparse
@@ -123,9 +123,25 @@ def training_memory_table(rows: list[dict]) -> str:
     return markdown(headers, "|---|---|---:|---:|---:|---:|", lines)
 
 
+BTX_TEXTS = ("prose", "code", "math", "mixture", "general")
+
+
+def btx_table(rows: list[dict]) -> str:
+    """benchmarks/quality/btx_run.py's rows (its latest run): perplexity per text, with each stage's tokens and time."""
+    lines = []
+    for row in rows:
+        seconds = "-" if row["stage_seconds"] is None else f"{row['stage_seconds']:.0f}"
+        tokens = f"{row['train_tokens']:,}" if row["train_tokens"] else "-"
+        cells = [row["model"], row["stage"], tokens, seconds]
+        lines.append(cells + [f"{row['perplexity'][text]:.3f}" for text in BTX_TEXTS])
+    headers = ["model", "stage", "stage tokens", "stage s", *BTX_TEXTS[:3], "mixture (3 domains)", "general (GPL-3)"]
+    return markdown(headers, "|---|---|---:|---:|---:|---:|---:|---:|---:|", lines)
+
+
 SCRIPT_TABLES = {
     "sparsity": lambda: sparsity_table([row for row in read_rows("sparsity.jsonl") if "method" in row]),
     "training_memory": lambda: training_memory_table(read_rows("training_memory.jsonl")),
+    "btx": lambda: btx_table(latest_run(read_rows("btx.jsonl"), "btx")),
 }
 
 

@@ -51,6 +51,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(TrlParser):
+    own_config = False  # the command reads `--config FILE` itself (a nested file, not flag defaults)
+
     def __init__(self, dataclass_types=None, *, preflight=None, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(dataclass_types, **kwargs)
@@ -88,7 +90,7 @@ class Parser(TrlParser):
     def parse_args_and_config(self, args=None) -> tuple:
         args = list(sys.argv[1:] if args is None else args)
         parser = self._command_parser(args)
-        path, args = parser._take_config(args)
+        path, args = (None, args) if parser.own_config else parser._take_config(args)
         if path is not None:
             parser._apply_config(path)
         args = self._save_strategy(args)

@@ -21,7 +21,7 @@ def exact_targets(source: str) -> list[str]:
 
     dense = SOURCE_FAMILIES[source]().config_class()()
     config = LlamaMoEConfig(**dense_config_fields(dense), num_experts=8, num_experts_per_tok=2)
-    return [name for name, target in TARGETS.items() if not target.supports(config)]
+    return [name for name, target in TARGETS.items() if target.exact and not target.supports(config)]
 
 
 def output_families(source: str) -> list[str]:

@@ -319,3 +319,35 @@ def interrupt_the_second_replace(monkeypatch) -> None:
         real_replace(source, target)
 
     monkeypatch.setattr(atomic.os, "replace", interrupted)
+
+
+def save_with_tokenizer(model, path: Path) -> Path:
+    """`model` saved with the character tokenizer; returns `path`."""
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def ffn_variant(base, seed: int):
+    """`base` with new random FFN weights: a model that shares everything but the FFN with it (a merge's expert)."""
+    import copy
+
+    model = copy.deepcopy(base)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def export_refusal(argv: list[str], capsys) -> str:
+    """`llama-moe export` refusing: exit status 2, one `error:` line, no output folder."""
+    from llama_moe_hf.commands import main
+
+    output = argv[argv.index("--output") + 1]
+    assert main(["export", *argv, "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "\n" not in error, error
+    assert not Path(output).exists()
+    return error

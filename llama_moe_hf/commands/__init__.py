@@ -9,10 +9,11 @@ heavy is imported before a command runs. Bad input ends with one `error: ...` li
 import logging
 import sys
 
-from . import analyze, batch_similar, chat, convert, evaluate, export, heal, info, offline_data, push, upgrade
+from . import analyze, batch_similar, chat, convert, evaluate, export, heal, info, merge, offline_data, push, upgrade
 
 COMMANDS = {
     "convert": convert,
+    "merge": merge,
     "heal": heal,
     "info": info,
     "chat": chat,

@@ -18,7 +18,7 @@ def register(subparsers) -> None:
     ExportOptions._argument_group_name = "how to export"
     parser = subparsers.add_parser(
         "export",
-        help="export a converted model exactly to transformers' Mixtral or Qwen2-MoE, or to llama.cpp's GGUF",
+        help="export a converted model exactly to transformers' Mixtral, Qwen2-MoE or Qwen3-MoE, or to llama.cpp's GGUF; or average its experts back into a dense model",
         description="Export a converted model folder exactly into another MoE format, streaming tensor by tensor "
         "into an atomic output folder. What the target cannot express exactly is refused (exit status 2) and "
         "nothing is written.",

@@ -16,7 +16,7 @@ from ..hub.card import (
 )
 
 
-def _human(count: int) -> str:
+def human_count(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
@@ -57,8 +57,8 @@ builds the same weights again):
 
 | | Parameters |
 |---|---|
-| Total | {total:,} ({_human(total)}) |
-| Active per token | {active:,} ({_human(active)}) |
+| Total | {total:,} ({human_count(total)}) |
+| Active per token | {active:,} ({human_count(active)}) |
 
 Active parameters count everything a token uses: embeddings, attention, norms, routers, shared experts and the
 routed experts it is sent to. Computed exactly from the tensor shapes.

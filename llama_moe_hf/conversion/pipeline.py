@@ -61,7 +61,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     from .plan import ConversionPlan, resolve_recipe
 
     run.check()  # before the output is checked, as the run's own settings always were
-    output = _check_output(run)
+    output = check_output(run)
     if run.save_split:
         check_writable(run.save_split, "--save-split")
     resolved = resolve_recipe(recipe, run=run)  # what needs no source is refused before opening (or downloading) it
@@ -75,7 +75,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
         tokenizer=run.tokenizer,
         **({"download": download} if download else {}),
     )
-    _check_not_source(output, source)
+    check_not_source(output, source)
     source.check_complete()
     plan = ConversionPlan.create(recipe, source.config, run, resolved=resolved)
     context = CalibrationContext(
@@ -120,13 +120,13 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
         source.save_extras(tmp)
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
         save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
-        quality = _quality_check(tmp, source, run, total)
+        quality = quality_check(tmp, source, run, total)
         write_model_card(tmp, plan, source, total, active, quality)
         files = sorted(p.name for p in tmp.iterdir())
     return ConversionResult(output, total, active, files, plan.recipe, quality=quality)
 
 
-def _quality_check(folder: Path, source, run: RunOptions, total: int):
+def quality_check(folder: Path, source, run: RunOptions, total: int):
     """`quick_check.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
     check, or the source has no tokenizer (each logged)."""
     from .calibration import transformers_progress_bars
@@ -163,7 +163,7 @@ def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None,
     return convert(recipe, run, **seams)
 
 
-def _check_output(run: RunOptions) -> Path:
+def check_output(run: RunOptions) -> Path:
     if not run.output:
         raise ValueError("A conversion needs an output folder (--output, output_dir=).")
     output = Path(run.output).expanduser().resolve()
@@ -177,7 +177,7 @@ def _check_output(run: RunOptions) -> Path:
     return output
 
 
-def _check_not_source(output: Path, source) -> None:
+def check_not_source(output: Path, source) -> None:
     source_path = source.path.resolve()
     if output == source_path or output in source_path.parents:
         raise ValueError(f"Output {output} would replace the source {source.path}; choose another output folder.")

@@ -106,7 +106,7 @@ def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None
         raise ValueError(f"Method {method.name!r} builds {method.target} experts, not {kind} experts.")
     router = ROUTER_INITS[settings["router_init"] or method.default_router_init]
     if kind not in router.targets:
-        usable = [name for name, init in ROUTER_INITS.items() if kind in init.targets]
+        usable = [n for n, init in ROUTER_INITS.items() if kind in init.targets and not init.needs_expert_inputs]
         raise ValueError(f"Router init {router.name!r} cannot start {kind} routers; choose one of {', '.join(usable)}.")
     router_type = settings["router_type"] or router.router_type or "top_k"
     _check_router(router, router_type, method, kind)
@@ -216,9 +216,6 @@ class ConversionPlan:
         """Check and complete `recipe` against the dense model's config; one ValueError for the first impossible
         setting (the output config's own checks included). `resolved`: `resolve_recipe(recipe, run=run)` done
         already (before the source was opened), which is then only completed for the model."""
-        import torch
-        from huggingface_hub.errors import StrictDataclassError
-
         run = run or RunOptions()
         if resolved is None:
             resolved = resolve_recipe(recipe, run=run)
@@ -234,17 +231,25 @@ class ConversionPlan:
             )
             for kind, t in targets.items()
         }
+        plan.build_output()
+        return plan
+
+    def build_output(self) -> None:
+        """The output config, the model on the meta device and every tensor's shape, from the targets and
+        components."""
+        import torch
+        from huggingface_hub.errors import StrictDataclassError
+
         try:
-            plan.config = family.build_config(dense_config, recipe, plan)
+            self.config = self.family.build_config(self.dense_config, self.recipe, self)
         except StrictDataclassError as error:  # a wrongly typed setting: one ValueError like the others
             raise ValueError(str(error)) from None
-        plan.config.architectures = [family.model_class().__name__]
+        self.config.architectures = [self.family.model_class().__name__]
         with torch.device("meta"):
-            plan.meta_model = family.model_class()(plan.config)
-        plan.expected = {name: tuple(t.shape) for name, t in plan.meta_model.state_dict().items()}
-        if plan.config.tie_word_embeddings:
-            plan.expected.pop("lm_head.weight", None)
-        return plan
+            self.meta_model = self.family.model_class()(self.config)
+        self.expected = {name: tuple(t.shape) for name, t in self.meta_model.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            self.expected.pop("lm_head.weight", None)
 
     def prepare(self, context) -> None:
         """Every component asks for its statistics, one calibration pass records them all, then the components
@@ -315,7 +320,7 @@ class ConversionPlan:
         method, router = self.components[kind]
         built = method.build(layer_idx, dense, context)
         tensors = dict(built.tensors)
-        gate = router.tensors(layer_idx, built, context)
+        gate = method.router_tensors(router.tensors(layer_idx, built, context))
         if self.targets[kind].router_type == "noisy_top_k":
             gate.setdefault("noise_weight", gate["weight"].new_zeros(gate["weight"].shape))  # no noise until trained
         tensors.update({f"gate.{name}": tensor for name, tensor in gate.items()})

@@ -303,8 +303,8 @@ def _has_type(value, annotation) -> bool:
         return any(_has_type(value, arg) for arg in args)
     if annotation is type(None):
         return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_has_type(item, args[0]) for item in value)
+    if origin in (list, tuple):  # list[X] and tuple[X, ...]
+        return isinstance(value, origin) and all(_has_type(item, args[0]) for item in value)
     if origin is dict:
         return isinstance(value, dict)
     if annotation is float:

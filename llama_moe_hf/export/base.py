@@ -186,6 +186,7 @@ class ExportTarget:
     name = ""  # set by TARGETS.register
     description = ""  # one sentence: `--help` and the docs show it
     Options = NoOptions
+    exact = True  # computes what the model computes (README's table lists it); `dense` merges experts instead
     # Dense source families (model_type) the target also writes, so that a dense model and its MoE can be compared
     # through the same writer; `dense_reasons` answers for them.
     dense_sources: tuple[str, ...] = ()

@@ -88,7 +88,7 @@ def export_model(
 
     from ..checkpoints.atomic import atomic_folder
     from ..checkpoints.converted import open_checkpoint
-    from ..conversion.pipeline import _check_not_source, _check_output
+    from ..conversion.pipeline import check_not_source, check_output
     from ..registry import option_names
     from .checkpoint import check_compensation
 
@@ -98,9 +98,9 @@ def export_model(
         raise ValueError(f"Export target {to!r} has no options {unknown}.")
     run = ExportOptions(to=to, output=str(output), overwrite=overwrite, dtype=dtype, progress=progress)
     check_dtype(dtype)
-    destination = _check_output(run)  # the same rules and messages as `convert`
+    destination = check_output(run)  # the same rules and messages as `convert`
     checkpoint = open_checkpoint(model)
-    _check_not_source(destination, checkpoint)
+    check_not_source(destination, checkpoint)
     target = target_class(checkpoint.config, target_class.Options(**options))
     target.check()
     target.notes += check_compensation(checkpoint)

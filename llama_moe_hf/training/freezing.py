@@ -1,5 +1,7 @@
-"""Which parameters a training run updates: all of them (the default), all but the routers, or only the MoE blocks
-the conversion built."""
+"""Which parameters a training run updates: all of them (the default), all but the routers, only the MoE blocks
+the conversion built, or only the MLP routers (BTX's MiX stage)."""
+
+ROUTER_PARAMETER = "mlp.gate."  # the MLP routers' parameters: `model.layers.N.mlp.gate.weight`, ...
 
 # The families' converted modules: LlamaMoE's and AttnMoE's MLP blocks, SoapMoE's block, AttnMoE's attention experts.
 MOE_MODULE_SUFFIXES = ("SparseMoeBlock", "MoEBlock", "MoEAttention")
@@ -29,3 +31,15 @@ def train_moe_only(model) -> int:
     for block in blocks:
         block.requires_grad_(True)
     return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+
+
+def train_routers_only(model) -> int:
+    """Train only the MLP routers (`mlp.gate.*`), every other weight frozen: Branch-Train-MiX's MiX stage on a merged
+    model. Returns the number of parameters left to train."""
+    routers = [param for name, param in model.named_parameters() if ROUTER_PARAMETER in name]
+    if not routers:
+        raise ValueError(f"train_routers_only: {type(model).__name__} has no MLP routers (mlp.gate.*) to train.")
+    model.requires_grad_(False)
+    for param in routers:
+        param.requires_grad_(True)
+    return sum(param.numel() for param in routers)

@@ -21,7 +21,7 @@ from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record,
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
 from .footprint import FORCE_HELP
-from .freezing import train_moe_only
+from .freezing import train_moe_only, train_routers_only
 from .memory_check import check_recipe_memory
 from .mixture import (
     PRESET_REFERENCE_LOSSES,
@@ -75,6 +75,10 @@ class ContinualPretrainArguments:
             "help": "train only the MoE blocks (experts, routers, shared experts, compensation); attention, norms, "
             "embeddings and the LM head keep the source model's weights"
         },
+    )
+    train_routers_only: bool = field(
+        default=False,
+        metadata={"help": "train only the MLP routers (mlp.gate.*): BTX's MiX stage on a merged model"},
     )
     teacher_model_name_or_path: str | None = field(
         default=None,
@@ -169,6 +173,8 @@ def continual_pretrain(args: ContinualPretrainArguments, training: TrainingArgum
         model.config.output_router_logits = args.router_aux_loss_coef > 0
     if args.train_moe_only:
         logger.info("Training the MoE blocks only: %d parameters.", train_moe_only(model))
+    if args.train_routers_only:
+        logger.info("Training the routers only: %d parameters.", train_routers_only(model))
     mixture = DomainMixture(domains, weights, seed=training.seed)
     checkpoint = resume_checkpoint(training, start_over=args.overwrite_output_dir)
     if checkpoint is not None:
@@ -252,10 +258,14 @@ def _stage(trainer, args: ContinualPretrainArguments, mixture: DomainMixture, re
         final_domain_weights=mixture.weights.as_dict(),
         seq_len=args.seq_len,
         eval_blocks=args.eval_blocks,
-        trained="moe-blocks" if args.train_moe_only else "all",
+        trained=_trained(args),
         distillation=_distillation_record(args, teacher),
         results=results,
     )
+
+
+def _trained(args: ContinualPretrainArguments) -> str:
+    return "routers" if args.train_routers_only else "moe-blocks" if args.train_moe_only else "all"
 
 
 def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> None:
@@ -275,17 +285,22 @@ def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> Non
 
 
 def _check_moe_only(args: ContinualPretrainArguments) -> None:
-    """`train_moe_only` on a model of none of our families, refused from its config before anything loads."""
-    if not args.train_moe_only or not args.model_name_or_path:
+    """`train_moe_only` / `train_routers_only` on a model of none of our families, refused from its config before
+    anything loads."""
+    option = "train_routers_only" if args.train_routers_only else "train_moe_only"
+    if args.train_moe_only and args.train_routers_only:
+        raise ValueError("train_moe_only and train_routers_only exclude each other: choose one.")
+    if not getattr(args, option) or not args.model_name_or_path:
         return
+    from ..conversion import families  # noqa: F401  (fills FAMILIES)
     from ..conversion.registry import FAMILIES
     from ..loading import model_folder
 
     model_type = json.loads((model_folder(args.model_name_or_path) / "config.json").read_text()).get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
-            f"train_moe_only: {args.model_name_or_path} is a {model_type} model, not one of {', '.join(FAMILIES)}: "
-            "it has no MoE blocks to train (convert it first, or drop --train_moe_only)."
+            f"{option}: {args.model_name_or_path} is a {model_type} model, not one of {', '.join(FAMILIES)}: "
+            f"it has no MoE blocks to train (convert or merge it first, or drop --{option})."
         )
 
 

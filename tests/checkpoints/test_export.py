@@ -2,14 +2,13 @@
 logits) and in GGUF (read back with gguf, run by llama.cpp when llama-cpp-python is installed); refusals."""
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import load_moe, logits, save_tiny_moe, save_tiny_source, tiny_llama, tiny_llama_config
+from helpers import export_refusal, load_moe, logits, save_tiny_moe, save_tiny_source, tiny_llama, tiny_llama_config
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, convert_to_moe
 from llama_moe_hf.commands import main
@@ -141,7 +140,7 @@ def test_targets_give_every_reason_they_cannot_represent_a_source(tmp_path, caps
         moe = convert_to_moe(tmp_path / f"dense{i}", tmp_path / f"moe{i}", eval=False, progress=False, **fields)
         moe = moe.output_dir
         capsys.readouterr()  # the tiny source's save progress
-        error = refusal([str(moe), "--to", target, "--output", str(tmp_path / "out")], capsys)
+        error = export_refusal([str(moe), "--to", target, "--output", str(tmp_path / "out")], capsys)
         assert f"Cannot export this model to {target} exactly: " in error
         assert all(reason in error for reason in reasons), (error, reasons)
 
@@ -347,16 +346,6 @@ def test_llama_cpp_runs_the_gguf_like_transformers(tmp_path):
         assert difference < 1e-4, (exported.name, difference)
 
 
-def refusal(argv, capsys) -> str:
-    """Run `llama-moe export` expecting a refusal: exit status 2, one `error:` line, no output folder."""
-    output = argv[argv.index("--output") + 1]
-    assert main(["export", *argv, "--no-progress"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert error.startswith("error: ") and "\n" not in error, error
-    assert not os.path.exists(output)
-    return error
-
-
 def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
     dense, out = tiny_dense[0], tmp_path / "out"
     calibration = dict(calibration_data=str(tiny_calibration), **CALIBRATION, progress=False)
@@ -377,8 +366,8 @@ def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
         (tmp_path / "missing", "mixtral", "is not a converted model folder"),
     ]
     for folder, target, message in cases:
-        assert message in refusal([str(folder), "--to", target, "--output", str(out)], capsys), (folder, target)
-    assert "--tokenizer-pre is an option of export target 'gguf'" in refusal(
+        assert message in export_refusal([str(folder), "--to", target, "--output", str(out)], capsys), (folder, target)
+    assert "--tokenizer-pre is an option of export target 'gguf'" in export_refusal(
         [str(converted["random"]), "--to", "mixtral", "--output", str(out), "--tokenizer-pre", "smollm"], capsys
     )
 

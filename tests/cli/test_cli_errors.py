@@ -31,6 +31,7 @@ OPTIONS_FILE_COMMANDS = {
     "eval",
     "batch-similar",
     "offline-data",
+    "merge",
 }  # dataclass options
 
 
@@ -86,8 +87,8 @@ def test_config_of_a_command_without_options_file_is_refused(capsys):
 
 
 def test_an_unknown_command_is_named(capsys):
-    assert main(["merge", "--config", "x.yaml"]) == 2
-    assert one_error_line(capsys).startswith("error: unknown command 'merge'; the commands are convert, heal,")
+    assert main(["mrege", "--config", "x.yaml"]) == 2
+    assert one_error_line(capsys).startswith("error: unknown command 'mrege'; the commands are convert, merge, heal,")
 
 
 # A dense folder without a tokenizer ---------------------------------------------------------------------------------

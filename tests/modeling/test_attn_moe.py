@@ -570,7 +570,7 @@ def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
         (dict(attn_experts=4, num_experts=4), "--num-experts shape an MLP MoE; add --mlp-moe"),
         (
             dict(attn_experts=4, attn_router_init="kmeans"),
-            "'kmeans' cannot start attention routers; choose one of fit, random, zero",
+            "'kmeans' cannot start attention routers; choose one of fit, random, uniform_random, zero",
         ),
         (dict(attn_experts=4, attn_router_type="selector"), "A 'selector' router is made by router init selector"),
         (dict(attn_experts=4, attn_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),

@@ -81,6 +81,7 @@ FLOORS = [
     {"checkpoints", "hub"},
     {"conversion"},
     {"evaluation", "training", "similarity", "analysis", "export", "loading", "chat"},
+    {"merging"},
     {"commands", "supported", "__main__", "llama_moe_hf"},
 ]
 

@@ -51,12 +51,12 @@ class HealOptions:
 def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
     """Heal the MoE folder `folder` into `options.output`; returns the output folder."""
     from ...checkpoints.converted import open_checkpoint
-    from ..pipeline import _check_not_source, _check_output
+    from ..pipeline import check_not_source, check_output
     from .layer import state_dir_for
 
-    output = _check_output(RunOptions(output=options.output, overwrite=options.overwrite))
+    output = check_output(RunOptions(output=options.output, overwrite=options.overwrite))
     moe = open_checkpoint(folder)
-    _check_not_source(output, moe)
+    check_not_source(output, moe)
     recipe, run = _folder_recipe(moe.path)
     teacher = _open_teacher(options.teacher, run, download)
     _check_teacher(moe.config, teacher.config)

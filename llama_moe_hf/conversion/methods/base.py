@@ -49,6 +49,11 @@ class ConstructionMethod:
     def finish(self, context) -> None:
         """Called after the last layer was built."""
 
+    def router_tensors(self, gate: dict) -> dict:
+        """The router's tensors as the built experts need them, from what the router init made for the recipe's
+        `target.num_experts` experts (fine-grained upcycling repeats each row for the pieces of its expert)."""
+        return gate
+
     def expert_size(self) -> int:
         return self.dense_config.intermediate_size
 

@@ -1,0 +1,182 @@
+"""`merge`: a base model and N expert models of one source family -> one MoE checkpoint folder, streamed a layer at a
+time as `convert` streams one model.
+
+    MergeConfig -> check -> open every model (one family, one shape: checked) -> report the non-FFN weights the expert
+        models do not share with the base -> plan (the per-model method widened to every model) -> the gate's
+        passes (prompts, data) -> tensors streamed into shards -> config, code, tokenizer, merge recipe, card ->
+        the temporary folder replaces the output (or, with `architecture`, is exported into it)
+
+A failed or interrupted merge leaves nothing behind and never touches its sources.
+"""
+
+import logging
+import tempfile
+from pathlib import Path
+
+from ..conversion.pipeline import ConversionResult, check_not_source, check_output
+from ..conversion.settings import RunOptions
+from .config import MERGE_RECIPE_FILE, MergeConfig, save_merge_recipe
+
+logger = logging.getLogger(__name__)
+
+
+def merge(config: MergeConfig, run: RunOptions, *, download=None) -> ConversionResult:
+    """Merge as `config` says into the folder `run.output` (`run`: output, overwrite, device, shard size, eval,
+    progress; its `model` and `dtype` are the config's). `download`: the Hub seam, as in `convert`."""
+    import dataclasses
+
+    from ..conversion.registry import ROUTER_INITS
+    from .plan import MergePlan
+    from .sources import MergedSource, non_ffn_differences, open_models, report_differences
+
+    config.check()
+    ROUTER_INITS[config.gate_mode].check_experts(config.experts)  # an unknown gate mode, a missing prompt: one line
+    run = dataclasses.replace(run, model=config.base_model, dtype=config.dtype, revision=config.base_revision)
+    run.check()
+    output = check_output(run)
+    base, experts, shared = open_models(config, allow_pickle=run.allow_pickle, token=run.token, download=download)
+    for source in (base, *experts, *shared):
+        check_not_source(output, source)
+    source = MergedSource(base, experts, shared, average=config.non_ffn == "average")
+    plan = MergePlan.for_merge(config, source, run)
+    _check_architecture(config, plan.config)
+    report_differences(non_ffn_differences(base, experts + shared), config.non_ffn)
+    if config.architecture == "llama_moe":
+        return _merge_into(output, plan)
+    return _merge_and_export(output, plan)
+
+
+def _merge_into(output: Path, plan) -> ConversionResult:
+    import torch
+
+    from ..checkpoints.atomic import atomic_folder
+
+    config, source = plan.merge, plan.source
+    context = gate_context(plan, source)
+    plan.config.dtype = getattr(torch, config.dtype) if config.dtype else source.dtype
+    with atomic_folder(output) as tmp:
+        result = _write(plan, source, context, tmp, config)
+    result.output_dir = output
+    return result
+
+
+def gate_context(plan, source):
+    """The calibration context of a merge's gate (`expert_inputs`: every expert model's prompts or data), prepared;
+    the base model it loaded released."""
+    from ..conversion.calibration import CalibrationContext
+    from ..conversion.routers.base import ExpertInputs
+
+    merge, run = plan.merge, plan.run
+    context = CalibrationContext(
+        plan.recipe, source.load_model, source.load_tokenizer, device=run.device, progress=run.progress
+    )
+    context.expert_inputs = ExpertInputs(
+        merge.experts,
+        merge.experts_per_model,
+        source,
+        source.load_tokenizer,
+        hidden_token=merge.hidden_token,
+        gate_tokens=merge.gate_tokens,
+        device=run.device,
+    )
+    plan.prepare(context)
+    context.release()
+    return context
+
+
+def _check_architecture(config: MergeConfig, output_config) -> None:
+    """Refuse, before any work, a layout the export target cannot express exactly (every reason in one line)."""
+    from ..export import TARGETS
+
+    if config.architecture != "llama_moe":
+        reasons = TARGETS[config.architecture].supports(output_config)
+        if reasons:
+            raise ValueError(f"Cannot merge into {config.architecture} exactly: {'; '.join(reasons)}.")
+
+
+def _write(plan, source, context, folder: Path, config: MergeConfig) -> ConversionResult:
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from ..checkpoints.writer import ShardedWriter
+    from ..conversion.pipeline import count_parameters, quality_check
+    from ..conversion.target import MLP
+    from .card import write_merge_card
+
+    run = plan.run
+    writer = ShardedWriter(folder, plan.expected, plan.config.dtype, run.max_shard_size)
+    for name, tensor in plan.tensors(source, context, progress=run.progress):
+        writer.add(name, tensor)
+    total, active = count_parameters(plan.config, writer.shapes)
+    writer.close(total_parameters=total)
+    plan.config.conversion_info = plan.conversion_info(source.description, context) | merge_info(config, source)
+    plan.meta_model.add_auto_map()
+    custom_object_save(plan.meta_model, folder, config=plan.config)
+    plan.config.save_pretrained(folder)
+    source.save_extras(folder)
+    save_merge_recipe(folder / MERGE_RECIPE_FILE, config)
+    router = plan.components[MLP][1]
+    if router.mix_stage:
+        from .mix import train_routers
+
+        train_routers(folder, router, context.expert_inputs)
+    quality = quality_check(folder, source.base, run, total)
+    write_merge_card(folder, plan, source, total, active, quality)
+    return ConversionResult(
+        folder, total, active, sorted(p.name for p in folder.iterdir()), plan.recipe, quality=quality
+    )
+
+
+def merge_info(config: MergeConfig, source) -> dict:
+    """`conversion_info["merge"]`: every source with the revision read, the gate and its inputs."""
+    models = [*source.experts, *source.shared]
+    entries = [*config.experts, *config.shared_experts]
+    sources = [source_entry(model, entry) for model, entry in zip(models, entries, strict=True)]
+    return {
+        "merge": {
+            "base_model": source.base.reference,
+            "experts": sources[: len(config.experts)],
+            "shared_experts": sources[len(config.experts) :],
+            "gate_mode": config.gate_mode,
+            "non_ffn": config.non_ffn,
+            "method": config.method,
+            "experts_per_model": config.experts_per_model,
+        }
+    }
+
+
+def source_entry(model, entry) -> dict:
+    fields = {"source_model": model.reference, "revision": entry.revision or _commit(model)}
+    for key in ("positive_prompts", "negative_prompts"):
+        if getattr(entry, key):
+            fields[key] = list(getattr(entry, key))
+    for key in ("data", "noise_scale", "residual_scale"):
+        fields[key] = getattr(entry, key)
+    return fields
+
+
+def _commit(model) -> str | None:
+    """The Hub commit of a downloaded snapshot (its folder name), else None."""
+    path = Path(model.path)
+    return path.name if model.hub_id and path.parent.name == "snapshots" else None
+
+
+def _merge_and_export(output: Path, plan) -> ConversionResult:
+    """Merge into a temporary LlamaMoE folder beside the output, then export it exactly into the output."""
+    import dataclasses
+
+    from ..checkpoints.atomic import atomic_file
+    from ..export import export_model
+
+    run = plan.run
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.merge-") as staging:
+        merged = Path(staging) / "llama_moe"
+        plan.run = dataclasses.replace(run, output=str(merged), overwrite=False, eval=False)
+        result = _merge_into(merged, plan)
+        exported = export_model(merged, plan.merge.architecture, output, overwrite=run.overwrite, progress=run.progress)
+    for note in exported.notes:
+        logger.info("note: %s", note)
+    with atomic_file(output / MERGE_RECIPE_FILE) as tmp:
+        save_merge_recipe(tmp, plan.merge)
+    result.output_dir, result.files = output, sorted(p.name for p in output.iterdir())
+    return result
