@@ -62,10 +62,14 @@ class ExpertDataRouter(ExpertVectorRouter):
             vectors.append(sums[:, start : start + len(pieces)].sum(dim=1) / len(stream))
             start += len(pieces)
         vectors = torch.stack(vectors, dim=1)
-        # `trained` (a subclass with options of its own) always starts from centred rows
-        if getattr(self.options, "expert_data_center", True) and len(inputs.experts) > 1:
+        if self.centred and len(inputs.experts) > 1:  # one model's row has nothing to be centred against
             vectors = vectors - vectors.mean(dim=1, keepdim=True)
         return vectors
+
+    @property
+    def centred(self) -> bool:
+        # `trained` (a subclass with options of its own) always starts from centred rows
+        return getattr(self.options, "expert_data_center", True)
 
     def _tokens(self, expert, tokenizer, count: int):
         """The first `count` tokens of the expert's data (documents joined by EOS), `[N]`."""

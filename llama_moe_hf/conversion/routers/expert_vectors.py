@@ -19,6 +19,7 @@ class ExpertVectorRouter(RouterInit):
     needs_expert_inputs = True
 
     needs_prompts = False  # every expert model needs positive prompts
+    centred = False  # `model_vectors` subtracts the mean over the expert models
 
     def request(self, context) -> None:
         self.inputs = expert_inputs(context, self)
@@ -27,7 +28,10 @@ class ExpertVectorRouter(RouterInit):
     def prepare(self, context) -> None:
         vectors = self.model_vectors(self.inputs, context)
         self.vectors = normalized(vectors)
-        warn_degenerate(self.vectors, self.name)
+        # Centred rows sum to zero, so they are dependent by construction: softmax routing depends only on the rows'
+        # differences, whose conditioning is what tells the experts apart.
+        centred = self.centred and self.vectors.shape[1] > 1
+        warn_degenerate(self.vectors[:, 1:] - self.vectors[:, :1] if centred else self.vectors, self.name)
 
     def model_vectors(self, inputs, context):
         raise NotImplementedError
