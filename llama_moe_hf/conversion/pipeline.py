@@ -99,25 +99,34 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     return result
 
 
-def _write(plan, source, context, output: Path) -> ConversionResult:
+def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:
+    """Into `folder`: the weights, streamed a decoder layer at a time; the config with `conversion_info` (what the
+    layers reported, and `info`); the modeling code; the source's tokenizer files. Returns (total, active)
+    parameters."""
     from transformers.dynamic_module_utils import custom_object_save
 
-    from ..checkpoints.atomic import atomic_folder
     from ..checkpoints.writer import ShardedWriter
+
+    writer = ShardedWriter(folder, plan.expected, plan.config.dtype, plan.run.max_shard_size)
+    for name, tensor in plan.tensors(source, context, progress=plan.run.progress):
+        writer.add(name, tensor)
+    total, active = count_parameters(plan.config, writer.shapes)
+    writer.close(total_parameters=total)
+    plan.config.conversion_info = plan.conversion_info(source.description, context) | (info or {})
+    plan.meta_model.add_auto_map()  # every head of the family, not only the causal LM
+    custom_object_save(plan.meta_model, folder, config=plan.config)  # the modeling code next to the weights
+    plan.config.save_pretrained(folder)
+    source.save_extras(folder)
+    return total, active
+
+
+def _write(plan, source, context, output: Path) -> ConversionResult:
+    from ..checkpoints.atomic import atomic_folder
     from .conversion_card import write_model_card
 
     run = plan.run
     with atomic_folder(output) as tmp:
-        writer = ShardedWriter(tmp, plan.expected, plan.config.dtype, run.max_shard_size)
-        for name, tensor in plan.tensors(source, context, progress=run.progress):
-            writer.add(name, tensor)
-        total, active = count_parameters(plan.config, writer.shapes)
-        writer.close(total_parameters=total)
-        plan.config.conversion_info = plan.conversion_info(source.description, context)  # what the layers reported
-        plan.meta_model.add_auto_map()  # every head of the family, not only the causal LM
-        custom_object_save(plan.meta_model, tmp, config=plan.config)  # the modeling code next to the weights
-        plan.config.save_pretrained(tmp)
-        source.save_extras(tmp)
+        total, active = write_checkpoint(plan, source, context, tmp)
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
         save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
         quality = quality_check(tmp, source, run, total)

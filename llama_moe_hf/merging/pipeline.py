@@ -95,24 +95,12 @@ def _check_architecture(config: MergeConfig, output_config) -> None:
 
 
 def _write(plan, source, context, folder: Path, config: MergeConfig) -> ConversionResult:
-    from transformers.dynamic_module_utils import custom_object_save
-
-    from ..checkpoints.writer import ShardedWriter
-    from ..conversion.pipeline import count_parameters, quality_check
+    from ..conversion.pipeline import quality_check, write_checkpoint
     from ..conversion.target import MLP
     from .card import write_merge_card
 
     run = plan.run
-    writer = ShardedWriter(folder, plan.expected, plan.config.dtype, run.max_shard_size)
-    for name, tensor in plan.tensors(source, context, progress=run.progress):
-        writer.add(name, tensor)
-    total, active = count_parameters(plan.config, writer.shapes)
-    writer.close(total_parameters=total)
-    plan.config.conversion_info = plan.conversion_info(source.description, context) | merge_info(config, source)
-    plan.meta_model.add_auto_map()
-    custom_object_save(plan.meta_model, folder, config=plan.config)
-    plan.config.save_pretrained(folder)
-    source.save_extras(folder)
+    total, active = write_checkpoint(plan, source, context, folder, merge_info(config, source))
     save_merge_recipe(folder / MERGE_RECIPE_FILE, config)
     router = plan.components[MLP][1]
     if router.mix_stage:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..registry import NoOptions, component_options
-from ..target import ATTENTION, MLP, LayerBuild, Target
+from ..target import ATTENTION, ATTENTION_ROUTER_STREAM, MLP, ROUTER_STREAM, LayerBuild, Target, layer_seed
 
 
 class RouterInit:
@@ -38,6 +38,13 @@ class RouterInit:
 
     def prepare(self, context) -> None:
         """Compute what every layer needs, before the dense model is released."""
+
+    def generator(self, layer_idx: int):
+        """A torch generator seeded for this layer's router (the recipe's seed, the layer, MLP or attention)."""
+        import torch
+
+        stream = ATTENTION_ROUTER_STREAM if self.target.kind == ATTENTION else ROUTER_STREAM
+        return torch.Generator().manual_seed(layer_seed(self.recipe.seed, layer_idx, stream))
 
     def tensors(self, layer_idx: int, built: LayerBuild, context) -> dict:
         """The router's tensors of one layer, keyed under the router (`weight`, ...), in float32."""

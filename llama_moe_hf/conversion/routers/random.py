@@ -1,7 +1,6 @@
 """Random normal router weights."""
 
 from ..registry import ROUTER_INITS
-from ..target import ATTENTION, ATTENTION_ROUTER_STREAM, ROUTER_STREAM, layer_seed
 from .base import RouterInit
 
 
@@ -12,7 +11,6 @@ class RandomRouter(RouterInit):
     def tensors(self, layer_idx, built, context) -> dict:
         import torch
 
-        stream = ATTENTION_ROUTER_STREAM if self.target.kind == ATTENTION else ROUTER_STREAM
-        generator = torch.Generator().manual_seed(layer_seed(self.recipe.seed, layer_idx, stream))
+        generator = self.generator(layer_idx)
         shape = (self.target.num_experts, self.dense_config.hidden_size)
         return {"weight": torch.randn(shape, generator=generator) * self.dense_config.initializer_range}
