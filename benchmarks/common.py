@@ -16,7 +16,9 @@ tuned on) and the Python HOWTOs (`data/heldout/howto`, the text that confirms th
 windows over the first 16384 tokens of each, scored as `llama-moe eval --window 256 --stride 256 --max-tokens 16384`
 scores them (documents in file order, EOS between them). `data/` is not in git: each folder holds the `.rst.txt`
 sources of CPython's `Doc/tutorial/` and `Doc/howto/` (Debian's python3.11-doc has them under
-`usr/share/doc/python3.11/html/_sources/`).
+`usr/share/doc/python3.11/html/_sources/`). Both are Python documentation, the built-in calibration corpus's domain;
+`OTHER_DOMAINS` (Debian's licences and manual pages, `data/heldout/licences`, `data/heldout/manpages`) confirm a claim
+on text of other domains. `benchmarks/quality/make_heldout.py` writes all four.
 
 Results: `record(name, numbers)` appends one JSON line (the command, the machine, the date and the numbers) to
 `benchmarks/results/<name>.jsonl`; `benchmarks/tables.py` renders the docs' tables from those files.
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 HELDOUT = ROOT / "data" / "heldout"
 TEXTS = ("tutorial", "howto")
+OTHER_DOMAINS = ("licences", "manpages")
 WINDOW = 256
 MAX_TOKENS = 16384
 RUN = datetime.datetime.now().isoformat(timespec="seconds")  # rows one process records share it (tables.py)
@@ -107,17 +110,15 @@ def copy_bandwidth(device: str = "cpu", megabytes: int = 512, repeats: int = 5) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def heldout_tokens(tokenizer, max_tokens: int = MAX_TOKENS) -> dict:
-    """The first `max_tokens` tokens `[N]` of each held-out text."""
+def heldout_tokens(tokenizer, max_tokens: int = MAX_TOKENS, texts: tuple = TEXTS) -> dict:
+    """The first `max_tokens` tokens `[N]` of each held-out text of `texts`."""
     from llama_moe_hf.text.documents import iter_documents
     from llama_moe_hf.text.tokens import token_stream
 
-    missing = [name for name in TEXTS if not (HELDOUT / name).is_dir()]
+    missing = [name for name in texts if not (HELDOUT / name).is_dir()]
     if missing:
-        raise SystemExit(
-            f"{HELDOUT} lacks {missing}: put the Python docs' .rst.txt sources there (benchmarks/common.py)."
-        )
-    return {name: token_stream(iter_documents(str(HELDOUT / name)), tokenizer, max_tokens) for name in TEXTS}
+        raise SystemExit(f"{HELDOUT} lacks {missing}: write them with benchmarks/quality/make_heldout.py.")
+    return {name: token_stream(iter_documents(str(HELDOUT / name)), tokenizer, max_tokens) for name in texts}
 
 
 def perplexities(model, tokens: dict, batch_size: int = 8, window: int = WINDOW) -> dict:

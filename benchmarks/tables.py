@@ -84,6 +84,9 @@ def render_table(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+SPARSITY_TEXTS = ("tutorial", "howto", "licences", "manpages")  # benchmarks/common.py's, the other domains last
+
+
 def sparsity_table(rows: list[dict]) -> str:
     """benchmarks/quality/sparsity.py's rows: by sparsity, then the tutorial ratio."""
     lines = []
@@ -91,11 +94,13 @@ def sparsity_table(rows: list[dict]) -> str:
         healed = f"{row['heal_tokens']:,}" if row["heal_tokens"] else "-"
         changed = " ".join(f"{name}={value}" for name, value in row.get("heal_fields", {}).items())
         method = row["method"] + (f", {row['shared']} shared" if "shared" in row else "")
-        cells = [f"{row['sparsity']}%", method, row["router"] + (f" ({changed})" if changed else ""), healed]
-        cells += [f"{row['ratio']['tutorial']:.2f}x", f"{row['ratio']['howto']:.2f}x", f"{row['seconds']:.0f}"]
-        lines.append(cells)
-    headers = ["active", "method", "router", "healed on", "tutorial", "howto", "build s"]
-    return markdown(headers, "|---|---|---|---|---|---|---|", lines)
+        router = row["router"] + ("" if row.get("compensation", True) else ", no compensation")
+        router += f", calibrated on {Path(row['calibration_data']).stem}" if "calibration_data" in row else ""
+        cells = [f"{row['sparsity']}%", method, router + (f" ({changed})" if changed else ""), healed]
+        cells += [f"{row['ratio'][text]:.2f}x" if text in row["ratio"] else "-" for text in SPARSITY_TEXTS]
+        lines.append([*cells, f"{row['seconds']:.0f}"])
+    headers = ["active", "method", "router", "healed on", *SPARSITY_TEXTS, "build s"]
+    return markdown(headers, "|---|---|---|---|---|---|---|---|---|", lines)
 
 
 TRAINING_CASES = {  # case: (what runs, model and micro-batch), as docs/training.md names them

@@ -2,6 +2,7 @@
 
     python benchmarks/quality/export_llama_cpp.py                      # upcycled 4 experts, top-2, float32
     python benchmarks/quality/export_llama_cpp.py --dtype bfloat16 --new-tokens 48
+    python benchmarks/quality/export_llama_cpp.py --model outputs/presets/sparse-25   # a converted folder as it is
 
 Converts SmolLM2-135M-Instruct by sparse upcycling (experts copied with a little noise, so that routing matters),
 exports it with `llama-moe export --to gguf`, then, if llama-cpp-python (`llama_cpp`) is importable, runs the GGUF
@@ -55,19 +56,23 @@ def main() -> None:
     parser.add_argument("--upcycle-noise", type=float, default=0.05)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--model", type=Path, help="export this converted folder instead of upcycling")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        moe = convert_to_moe(
-            None,
-            tmp / "moe",
-            method="upcycle",
-            num_experts=args.num_experts,
-            top_k=args.top_k,
-            upcycle_noise=args.upcycle_noise,
-            progress=False,
-        ).output_dir
+        moe = (
+            args.model
+            or convert_to_moe(
+                None,
+                tmp / "moe",
+                method="upcycle",
+                num_experts=args.num_experts,
+                top_k=args.top_k,
+                upcycle_noise=args.upcycle_noise,
+                progress=False,
+            ).output_dir
+        )
         start = time.perf_counter()
         result = export_model(moe, "gguf", tmp / "gguf", dtype=args.dtype, tokenizer_pre="smollm", progress=False)
         gguf_file = result.output_dir / result.files[0]

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import MAX_TOKENS, heldout_tokens, perplexities, report
+from benchmarks.common import MAX_TOKENS, OTHER_DOMAINS, TEXTS, heldout_tokens, perplexities, report
 from llama_moe_hf.loading import load_model
 
 
@@ -20,11 +20,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", help="converted model folders")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="held-out tokens per text")
+    parser.add_argument("--texts", nargs="+", default=[*TEXTS, *OTHER_DOMAINS], help="held-out texts")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dense, tokenizer, _ = load_model("default", dtype="float32", device="cpu")
-    tokens = heldout_tokens(tokenizer, args.max_tokens)
+    tokens = heldout_tokens(tokenizer, args.max_tokens, tuple(args.texts))
     reference = perplexities(dense, tokens)
     print(report("dense", reference, reference), flush=True)
     for folder in args.models:

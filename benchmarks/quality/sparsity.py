@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import heldout_tokens, perplexities, record
+from benchmarks.common import OTHER_DOMAINS, TEXTS, heldout_tokens, perplexities, record
 from benchmarks.tables import sparsity_table
 from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
@@ -38,7 +38,7 @@ OPTIONS = {"cluster": {"cluster_on": "activations"}}
 CALIBRATION = dict(calibration_tokens=32768, calibration_samples=32768)
 
 
-def row_fields(method: str, sparsity: int, router: str, shared: int | None = None) -> dict:
+def row_fields(method: str, sparsity: int, router: str, shared: int | None = None, compensation: bool = True) -> dict:
     """The recipe fields of a row: `sparsity`% of the 8 experts' worth of neurons active, the shared ones included
     (`shared`: how many, default the method's `SHARED`)."""
     shared = SHARED[method] if shared is None else shared
@@ -49,7 +49,7 @@ def row_fields(method: str, sparsity: int, router: str, shared: int | None = Non
         num_shared_experts=shared,
         top_k=active - shared,
         router_init=router,
-        compensation=True,
+        compensation=compensation,
         options=OPTIONS.get(method, {}),
         **CALIBRATION,
     )
@@ -88,6 +88,11 @@ def main() -> None:
         "--heal-fields", nargs="+", default=[], metavar="NAME=VALUE", help="healing fields of healed rows: heal_lr=1e-3"
     )
     parser.add_argument("--shared", type=int, help="shared experts of every row (default: 1 where the method has them)")
+    parser.add_argument("--compensation", choices=("on", "off"), default="on", help="G-MoEfication's table")
+    parser.add_argument("--calibration-data", help="calibration (and healing) text instead of the built-in corpus")
+    parser.add_argument(
+        "--texts", nargs="+", default=[*TEXTS, *OTHER_DOMAINS], help="held-out texts (benchmarks/common.py)"
+    )
     parser.add_argument("--output", help="JSON lines, one per row")
     parser.add_argument("--table", nargs="+", help="print these JSON-lines files as a markdown table and stop")
     parser.add_argument("--threads", type=int, default=2)
@@ -101,9 +106,11 @@ def main() -> None:
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = heldout_tokens(tokenizer)
+    tokens = heldout_tokens(tokenizer, texts=tuple(args.texts))
     reference = perplexities(dense, tokens)
     print(json.dumps({"dense": reference}), flush=True)
+    if args.calibration_data:
+        CALIBRATION["calibration_data"] = str(Path(args.calibration_data).resolve())
     context = CalibrationContext(MoERecipe(**CALIBRATION), lambda *_: dense, lambda: tokenizer, device="cpu")
     for sparsity in args.sparsity:  # sparsity outermost: an interrupted grid has whole sparsities
         for method in args.methods:
@@ -111,11 +118,15 @@ def main() -> None:
                 if router == "analytical" and method != "carve":
                     continue
                 for heal in args.heal:
-                    fields = row_fields(method, sparsity, router, args.shared)
+                    fields = row_fields(method, sparsity, router, args.shared, args.compensation == "on")
                     changed = heal_fields if heal else {}
                     row = {"method": method, "sparsity": sparsity, "router": router, "heal_tokens": heal}
                     if args.shared is not None:
                         row["shared"] = args.shared
+                    if args.compensation == "off":
+                        row["compensation"] = False
+                    if args.calibration_data:
+                        row["calibration_data"] = args.calibration_data
                     row.update(measure(dense, tokenizer, context, tokens, fields, heal, changed))
                     if changed:
                         row["heal_fields"] = changed

@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import copy_bandwidth, interleaved_times, medians, record, synchronizer
+from benchmarks.common import RESULTS, copy_bandwidth, interleaved_times, medians, record, synchronizer
 
 
 def load_models(args) -> tuple[dict, object]:
@@ -217,8 +217,8 @@ def preset_model(name: str, dense, tokenizer):
 
     recipe, _ = load_recipe(preset_path(name))
     fast = dict(calibration_tokens=4096, calibration_samples=4096, heal_tokens=0)  # 16 sequences: enough to group
-    if recipe.router_init == "selector":
-        fast["selector_steps"] = 1
+    if recipe.router_init in ("selector", "linear_selector"):
+        fast[f"{recipe.router_init}_steps"] = 1
     return build_moe(dense, recipe, tokenizer=tokenizer, **fast)
 
 
@@ -348,7 +348,10 @@ def parse_args() -> argparse.Namespace:
         "head eager)",
     )
     parser.add_argument(
-        "--record", action="store_true", help="append the bandwidth table's rows to benchmarks/results/decode.jsonl"
+        "--record",
+        action="store_true",
+        help="append the bandwidth table's rows to benchmarks/results/decode.jsonl (--presets always appends each "
+        "preset's ratios to benchmarks/results/presets.jsonl)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -384,11 +387,24 @@ def main():
         equal = [run["compiled_equals_eager"] for run in runs]
         print("compiled greedy tokens equal the eager model's (static cache), per process:", equal)
     print_ratios(runs, compared, args)
+    if args.presets:  # the figures `llama-moe convert --help` shows
+        record_presets(runs, args)
     for run in runs if args.profile else []:
         for model, profile in run["profile_ms"].items():
             print(f"  {model} step: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in profile.items()))
         if args.compile:
             print_kernel_ratio(run["profile_ms"], compared)
+
+
+def record_presets(runs: list[dict], args) -> None:
+    """Each preset's median decode (and prefill, eager) ratio to dense, to benchmarks/results/presets.jsonl."""
+    runtime = f"transformers {'compiled' if args.compile else 'eager'}, {args.device} {args.dtype}"
+    for name in args.presets:
+        row = {"kind": "speed", "preset": name, "runtime": runtime, "threads": args.threads}
+        for task in ("decode", "prefill"):
+            if task in runs[0]:
+                row[f"{task}_ratio"] = round(statistics.median(run[task][name] / run[task]["dense"] for run in runs), 3)
+        record("presets", row, RESULTS / "presets.jsonl")
 
 
 def print_ratios(runs: list[dict], compared: list[str], args) -> None:

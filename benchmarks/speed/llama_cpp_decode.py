@@ -1,6 +1,8 @@
 """llama.cpp decoding speed of the built-in SmolLM2 and its 8-expert splits, all written by `llama-moe export`.
 
-The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split) are exported through the same
+The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split), or `--presets`' layouts (shared
+experts: GGUF architecture "ernie4_5-moe"; built as `bench_decode.preset_model` builds them, the speed of a layout not
+depending on how well its weights were chosen), are exported through the same
 GGUF writer at F16 and at Q8_0 (`--outtype q8_0`), then decoded by llama.cpp through llama-cpp-python (2 threads,
 batch 1, greedy argmax of the logits, 48 tokens after a chat prompt), the models interleaved round by round; the
 median of the rounds per model. Each figure is also given against the model's bandwidth limit: the weight bytes a
@@ -13,6 +15,9 @@ llama-cpp-python builds llama.cpp from source: install it in the benchmark's own
     pip install llama-cpp-python==0.3.36
     python benchmarks/speed/llama_cpp_decode.py                        # F16 and Q8_0, 5 rounds
     python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 --rounds 9
+    python benchmarks/speed/llama_cpp_decode.py --presets sparse-25 sparse-50 sparse-75   # rows to presets.jsonl
+
+Prefill: the 512-token prompt evaluated in one call, tokens/s, the same rounds.
 """
 
 import argparse
@@ -26,20 +31,31 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import RESULTS, copy_bandwidth, record
 
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
 
 
-def exported_models(tmp: Path, top_ks: list[int], outtypes: list[str]) -> dict[str, Path]:
-    """'dense F16', '2/8 Q8_0', ... -> the GGUF file."""
+def exported_models(tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str]) -> dict[str, Path]:
+    """'dense F16', '2/8 Q8_0', 'sparse-25 F16', ... -> the GGUF file."""
     from llama_moe_hf import convert_to_moe
     from llama_moe_hf.checkpoints import default_model_path
     from llama_moe_hf.export import export_model
 
     folders = {"dense": Path(default_model_path())}
-    for k in top_ks:
+    for k in [] if presets else top_ks:
         folders[f"{k}/8"] = convert_to_moe(None, tmp / f"moe{k}", num_experts=8, top_k=k, progress=False).output_dir
+    if presets:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from benchmarks.speed.bench_decode import preset_model
+
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        dense = AutoModelForCausalLM.from_pretrained(default_model_path())
+        for name in presets:
+            preset_model(name, dense, tokenizer).save_pretrained(tmp / name)
+            tokenizer.save_pretrained(tmp / name)
+            folders[name] = tmp / name
     files = {}
     for name, folder in folders.items():
         for outtype in outtypes:
@@ -56,7 +72,8 @@ def read_bytes_per_token(gguf_file: Path) -> int:
 
     reader = gguf.GGUFReader(gguf_file)
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    share = fields.get("llama.expert_used_count", 1) / fields.get("llama.expert_count", 1)
+    arch = fields["general.architecture"]  # shared experts ("_shexp.") are read whole, as dense tensors are
+    share = fields.get(f"{arch}.expert_used_count", 1) / fields.get(f"{arch}.expert_count", 1)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     total = 0
     for tensor in reader.tensors:
@@ -85,6 +102,14 @@ def decode_rate(llm, prompt_ids: list[int], new_tokens: int) -> tuple[float, flo
     return new_tokens / elapsed, perf.t_eval_ms / max(perf.n_eval, 1)
 
 
+def prefill_rate(llm, prompt_ids: list[int]) -> float:
+    """Tokens/s of evaluating `prompt_ids` in one call, from an empty cache."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt_ids)
+    return len(prompt_ids) / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, nargs="+", default=[2, 4, 6])
@@ -92,6 +117,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--presets", nargs="+", default=[], help="presets' layouts instead of the splits")
     args = parser.parse_args()
     import llama_cpp
     import torch
@@ -104,31 +130,42 @@ def main() -> None:
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
     with tempfile.TemporaryDirectory() as tmp:
-        files = exported_models(Path(tmp), args.top_k, args.outtypes)
+        files = exported_models(Path(tmp), args.top_k, args.outtypes, args.presets)
         models = {
-            name: llama_cpp.Llama(str(path), n_ctx=512, n_threads=args.threads, logits_all=True, verbose=False)
+            name: llama_cpp.Llama(str(path), n_ctx=1024, n_threads=args.threads, logits_all=True, verbose=False)
             for name, path in files.items()
         }
         step_bytes = {name: read_bytes_per_token(path) for name, path in files.items()}
         bandwidth = copy_bandwidth()
-        rates, own_ms = {name: [] for name in models}, {name: [] for name in models}
+        rates, own_ms, prefill = ({name: [] for name in models} for _ in range(3))
+        long_prompt = (prompt_ids * (512 // len(prompt_ids) + 1))[:512]
         for round_idx in range(args.rounds + 1):  # the first round warms up
             for name, llm in models.items():
                 rate, ms = decode_rate(llm, prompt_ids, args.new_tokens)
+                filled = prefill_rate(llm, long_prompt)
                 if round_idx:
                     rates[name].append(rate)
                     own_ms[name].append(ms)
+                    prefill[name].append(filled)
     print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, {args.new_tokens} greedy tokens, "
           f"median of {args.rounds} interleaved rounds; copy bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
-    print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense (same type) | share of "
-          "limit | llama.cpp's eval ms/token |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense (same type) | limit vs "
+          "dense | share of limit | llama.cpp's eval ms/token | 512-token prefill tokens/s | vs dense |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, values in rates.items():
         rate, outtype = statistics.median(values), name.split()[-1]
         dense = statistics.median(rates[f"dense {outtype}"])
         limit = bandwidth * 1e9 / step_bytes[name]
+        limit_ratio = step_bytes[f"dense {outtype}"] / step_bytes[name]
+        filled, dense_filled = statistics.median(prefill[name]), statistics.median(prefill[f"dense {outtype}"])
         print(f"| {name} | {step_bytes[name] / 1e6:.0f} | {limit:.1f} | {rate:.1f} | {rate / dense:.2f}x | "
-              f"{rate / limit:.0%} | {statistics.median(own_ms[name]):.2f} |")  # fmt: skip
+              f"{limit_ratio:.2f}x | {rate / limit:.0%} | {statistics.median(own_ms[name]):.2f} | {filled:.0f} | "
+              f"{filled / dense_filled:.2f}x |")  # fmt: skip
+        if name.split()[0] in args.presets:
+            row = {"kind": "speed", "preset": name.split()[0], "runtime": f"llama.cpp {outtype}"}
+            row |= {"decode_ratio": round(rate / dense, 3), "limit_ratio": round(limit_ratio, 3)}
+            row |= {"prefill_ratio": round(filled / dense_filled, 3), "threads": args.threads}
+            record("presets", row, RESULTS / "presets.jsonl")
 
 
 if __name__ == "__main__":

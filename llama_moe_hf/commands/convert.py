@@ -7,6 +7,7 @@ from ..conversion.recipe import (
     BEST_PRESET,
     MoERecipe,
     preset_description,
+    preset_measurements,
     preset_names,
     preset_path,
     sparsity_presets,
@@ -76,9 +77,11 @@ def help_entry(name: str, description: str, column: int) -> str:
 def presets_text() -> str:
     """The presets and their descriptions, for `--help`."""
     lines = ["presets (--preset NAME; the files are recipes/convert/NAME.yaml):"]
+    measured = preset_measurements()
     for name in preset_names():
         best = " [the measured best without training]" if name == BEST_PRESET else ""
-        lines.append(help_entry(name, preset_description(name) + best, 24))
+        figures = f" Measured (benchmarks/results/presets.jsonl): {measured[name]}." if name in measured else ""
+        lines.append(help_entry(name, preset_description(name) + best + figures, 24))
     return "\n".join(lines)
 
 
@@ -122,9 +125,10 @@ def recipe_and_run(args) -> tuple[MoERecipe, RunOptions]:
 
 def run(args) -> None:
     from ..conversion.pipeline import convert
+    from ..export.card import serving_section
 
     recipe, run_options = recipe_and_run(args)
-    result = convert(recipe, run_options)
+    result = convert(recipe, run_options, card_sections=serving_section)
     print(f"wrote {result.output_dir}")
     print(parameters_text(result.total_parameters, result.active_parameters))
     if result.pushed:

@@ -20,9 +20,11 @@ def human_count(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def render_model_card(plan, source, total: int, active: int, quality=None, tokenizer: bool = True) -> str:
+def render_model_card(
+    plan, source, total: int, active: int, quality=None, tokenizer: bool = True, extra: str = ""
+) -> str:
     """The README.md text of the checkpoint `plan` builds from `source` (`tokenizer`: whether it has tokenizer
-    files)."""
+    files; `extra`: markdown sections from the caller, after the parameters)."""
     from huggingface_hub import ModelCard
 
     from .recipe import RECIPE_FILE, to_yaml
@@ -63,6 +65,7 @@ builds the same weights again):
 Active parameters count everything a token uses: embeddings, attention, norms, routers, shared experts and the
 routed experts it is sent to. Computed exactly from the tensor shapes.
 
+{extra}
 {usage_section(model_id, tokenizer=tokenizer, source=base_model)}
 
 ## References
@@ -115,8 +118,8 @@ lm-eval tasks).
 """
 
 
-def write_model_card(folder: Path, plan, source, total: int, active: int, quality=None) -> Path:
+def write_model_card(folder: Path, plan, source, total: int, active: int, quality=None, extra: str = "") -> Path:
     path = Path(folder) / "README.md"
-    text = render_model_card(plan, source, total, active, quality, tokenizer=has_tokenizer(folder))
+    text = render_model_card(plan, source, total, active, quality, tokenizer=has_tokenizer(folder), extra=extra)
     path.write_text(text, encoding="utf-8")
     return path

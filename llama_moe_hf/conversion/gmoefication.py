@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.configuration_llama_moe import LlamaMoEConfig
-from ..modeling.routers import LlamaMoESelectorRouter
+from ..modeling.routers import ROUTER_CLASSES
 from .experts import ExpertSplit
 from .settings import SELECTOR_OBJECTIVES
 
@@ -144,8 +144,9 @@ def selector_objective(energy: torch.Tensor, objective: str = "listwise") -> Cal
     return listwise
 
 
-def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoESelectorRouter:
-    """The model's own `"selector"` router module, so the trained state dict loads into `mlp.gate` as is."""
+def _ranking_router(hidden_size: int, num_experts: int, router_type: str = "selector"):
+    """The model's own router module of `router_type` (`"selector"`: MoEfication's network; `"top_k"`: a linear
+    softmax router), so the trained state dict loads into `mlp.gate` as is."""
     config = LlamaMoEConfig(
         vocab_size=1,
         bos_token_id=None,
@@ -157,19 +158,22 @@ def _selector_router(hidden_size: int, num_experts: int) -> LlamaMoESelectorRout
         num_key_value_heads=1,
         num_experts=num_experts,
         num_experts_per_tok=1,
-        router_type="selector",
+        router_type=router_type,
     )
-    router = LlamaMoESelectorRouter(config)
-    bound = hidden_size**-0.5  # nn.Linear's default init for the first layer; the second is an nn.Linear already
-    torch.nn.init.uniform_(router.weight, -bound, bound)
-    torch.nn.init.uniform_(router.bias, -bound, bound)
+    router = ROUTER_CLASSES[router_type](config)
+    bound = hidden_size**-0.5  # nn.Linear's default init for the first layer; the selector's second is an nn.Linear
+    for name in ("weight", "bias"):
+        if hasattr(router, name):
+            torch.nn.init.uniform_(getattr(router, name), -bound, bound)
     return router
 
 
-def selector_scores(state_dict: dict[str, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
-    """`[T, E]` selector scores (logits) of a trained selector state dict."""
+def selector_scores(
+    state_dict: dict[str, torch.Tensor], hidden_states: torch.Tensor, router_type: str = "selector"
+) -> torch.Tensor:
+    """`[T, E]` scores (logits) of a trained selector (or linear router) state dict."""
     num_experts, hidden_size = state_dict["weight"].shape
-    router = _selector_router(hidden_size, num_experts)
+    router = _ranking_router(hidden_size, num_experts, router_type)
     router.load_state_dict(state_dict)
     with torch.no_grad():
         return router(hidden_states)[0]
@@ -182,8 +186,10 @@ def train_selector(
     steps: int = 100,
     seed: int = 0,
     objective: str = "listwise",
+    router_type: str = "selector",
 ) -> dict[str, torch.Tensor]:
-    """Fit MoEfication's selector `Linear(H, E) -> tanh -> Linear(E, E)` to rank the experts by `energy`.
+    """Fit MoEfication's selector `Linear(H, E) -> tanh -> Linear(E, E)` (or, `router_type="top_k"`, the linear
+    logits every export target computes) to rank the experts by `energy`.
 
     Full-batch L-BFGS (`steps` iterations, strong-Wolfe line search) on `selector_loss(..., objective)`: the network
     is tiny and the batch fits in memory, so it converges in ~100 iterations where Adam needs ~1000 and diverges at
@@ -198,7 +204,7 @@ def train_selector(
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        router = _selector_router(hidden_states.shape[1], num_experts)
+        router = _ranking_router(hidden_states.shape[1], num_experts, router_type)
     hidden_states = hidden_states.detach().float().cpu()
     loss = selector_objective(energy.detach().float().cpu(), objective)
     if steps > 0:
@@ -232,8 +238,10 @@ def train_layer_selector(
     objective: str = "listwise",
     seed: int = 0,
     holdout: float = 0.1,
+    router_type: str = "selector",
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One layer's selector router (state dict keyed under `mlp.gate.`), and its held-out quality.
+    """One layer's selector router (state dict keyed under `mlp.gate.`; `router_type="top_k"`: a linear router
+    fitted the same way), and its held-out quality.
 
     The target is each expert's deviation energy: with compensation, the output lost when the expert's activations
     are replaced by their means; without, its whole output. The selector is trained on the first `1 - holdout` of
@@ -246,13 +254,15 @@ def train_layer_selector(
         expert_mean = torch.zeros(num_experts, down_proj.shape[-1])
     energy = deviation_energy(hidden_states, gate_up_proj, down_proj, expert_mean)
     num_train = max(1, round(hidden_states.shape[0] * (1 - holdout)))
-    state = train_selector(hidden_states[:num_train], energy[:num_train], num_experts, steps, seed, objective)
+    state = train_selector(
+        hidden_states[:num_train], energy[:num_train], num_experts, steps, seed, objective, router_type
+    )
     if num_train == hidden_states.shape[0]:
         return state, {}
     held_out = hidden_states[num_train:]
     random_scores = torch.rand(held_out.shape[0], num_experts, generator=torch.Generator().manual_seed(seed))
     quality = {
-        "selector_recall": energy_recall(selector_scores(state, held_out), energy[num_train:], top_k),
+        "selector_recall": energy_recall(selector_scores(state, held_out, router_type), energy[num_train:], top_k),
         "random_recall": energy_recall(random_scores, energy[num_train:], top_k),
     }
     logger.info(

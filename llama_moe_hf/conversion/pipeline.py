@@ -48,11 +48,12 @@ def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, i
     return total, active
 
 
-def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) -> ConversionResult:
+def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, card_sections=None) -> ConversionResult:
     """Convert the dense checkpoint `run.model` into the MoE checkpoint folder `run.output`, as `recipe` says.
 
     `download` fetches Hub repositories (default `huggingface_hub.snapshot_download`) and `hub_api` uploads with
-    `run.push_to_hub` (default `HfApi`): the seams tests replace.
+    `run.push_to_hub` (default `HfApi`): the seams tests replace. `card_sections(config)` gives markdown the card
+    adds (the CLI's: `export.card.serving_section`, which export targets take the model).
     """
     import torch
 
@@ -89,7 +90,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None) 
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
-    result = _write(plan, source, context, output)
+    result = _write(plan, source, context, output, card_sections)
     if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
         shutil.rmtree(plan.heal_state_dir, ignore_errors=True)
     if run.push_to_hub:
@@ -120,7 +121,7 @@ def write_checkpoint(plan, source, context, folder: Path, info: dict | None = No
     return total, active
 
 
-def _write(plan, source, context, output: Path) -> ConversionResult:
+def _write(plan, source, context, output: Path, card_sections=None) -> ConversionResult:
     from ..checkpoints.atomic import atomic_folder
     from .conversion_card import write_model_card
 
@@ -130,7 +131,8 @@ def _write(plan, source, context, output: Path) -> ConversionResult:
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
         save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
         quality = quality_check(tmp, source, run, total)
-        write_model_card(tmp, plan, source, total, active, quality)
+        extra = card_sections(plan.config) if card_sections else ""
+        write_model_card(tmp, plan, source, total, active, quality, extra)
         files = sorted(p.name for p in tmp.iterdir())
     return ConversionResult(output, total, active, files, plan.recipe, quality=quality)
 
@@ -166,7 +168,7 @@ def convert_to_moe(model=None, output_dir=None, recipe: MoERecipe | None = None,
 
     `model`: a local folder, a Hub repository id, a `.gguf` file, or None for the built-in SmolLM2-135M-Instruct.
     """
-    seams = {key: fields.pop(key) for key in ("download", "hub_api") if key in fields}
+    seams = {key: fields.pop(key) for key in ("download", "hub_api", "card_sections") if key in fields}
     recipe, run_fields = (recipe or MoERecipe()).with_fields(fields)
     run = RunOptions(model=None if model is None else str(model), output=output_dir and str(output_dir), **run_fields)
     return convert(recipe, run, **seams)

@@ -60,8 +60,11 @@ def _default_scale(settings: dict) -> float | None:
     """The score scale a target's method and router init choose (None until its expert counts are known)."""
     if settings["num_experts"] is None or settings["top_k"] is None:
         return None
-    if ROUTER_INITS[settings["router_init"]].unit_weights:
+    router = ROUTER_INITS[settings["router_init"]]
+    if router.unit_weights:
         return 1.0
+    if router.even_weights:
+        return float(settings["top_k"])
     return float(METHODS[settings["method"]].default_score_scale(settings["num_experts"], settings["top_k"]))
 
 
@@ -130,6 +133,10 @@ def _check_router(router, router_type: str, method, kind: str) -> None:
         raise ValueError(f"Unknown router type {router_type!r}; choose one of {', '.join(ROUTER_TYPES)}.")
     if router.router_type is not None and router_type != router.router_type:
         raise ValueError(f"Router init {router.name!r} makes a {router.router_type!r} router, not {router_type!r}.")
+    if router.even_weights and router_type != "top_k":
+        raise ValueError(
+            f"Router init {router.name!r} makes renormalised softmax top-k routers (top_k), not {router_type!r}."
+        )
     forced = [init.name for _, init in ROUTER_INITS.items() if init.router_type == router_type]
     if forced and router.name not in forced:
         raise ValueError(f"A {router_type!r} router is made by router init {' or '.join(forced)}, not {router.name!r}.")

@@ -148,6 +148,33 @@ def preset_path(name: str) -> Path:
     return path
 
 
+# The presets' measured quality and speed (benchmarks/quality/presets.py and the speed benchmarks write it).
+PRESET_RESULTS = _PACKAGE.parent / "benchmarks" / "results" / "presets.jsonl"
+
+
+def preset_measurements(path: Path | None = None) -> dict[str, str]:
+    """{preset: one line of its latest measured figures}: perplexity as a ratio to the dense model per held-out text,
+    the conversion's minutes, and decoding speed against dense per runtime; {} without the results file."""
+    import json
+
+    path = path or PRESET_RESULTS
+    if not path.is_file():
+        return {}
+    latest: dict[tuple, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        latest[(row["preset"], row["kind"], row.get("runtime"))] = row  # later lines win
+    parts: dict[str, list[str]] = {}
+    for (preset, kind, runtime), row in sorted(latest.items(), key=lambda item: str(item[0])):
+        if kind == "quality":
+            ratios = ", ".join(f"{text} {ratio:.2f}x" for text, ratio in row["ratio"].items())
+            minutes = f"; converted in {row['convert_seconds'] / 60:.0f} min" if row.get("convert_seconds") else ""
+            parts.setdefault(preset, []).insert(0, f"perplexity vs dense: {ratios}{minutes}")
+        else:
+            parts.setdefault(preset, []).append(f"decodes {row['decode_ratio']:.2f}x dense ({runtime})")
+    return {preset: "; ".join(texts) for preset, texts in parts.items()}
+
+
 def preset_description(name: str) -> str:
     """The leading comment lines of the preset's file, up to its example command, as one paragraph."""
     lines = []

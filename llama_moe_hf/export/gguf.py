@@ -5,10 +5,14 @@ writes LLaMA, so that a dense model and its MoE go through the same writer): arc
 layout (`LlamaModel.permute`). One file, `model.gguf`, with the tokenizer in its metadata.
 
 It exports exactly what the Mixtral target does (llama.cpp's "llama" MoE graph is Mixtral's: softmax, top-k,
-renormalised, every layer MoE), and refuses the rest. llama.cpp's "qwen2moe" graph is no way out for shared experts:
-it never renormalises the top-k, has no dense layers, and computes its shared-expert gate as `silu(x) / x`, which is
-0/0 for the zero gate weight that a constant gate of 1/2 needs (the qwen2_moe target's trick; llama.cpp then
-gives NaN logits, checked with llama-cpp-python 0.3.36).
+renormalised, every layer MoE). A model with always-on shared experts, or with leading dense layers, is written with
+architecture "ernie4_5-moe" instead: llama.cpp's graph for it is the same attention (RMSNorm, RoPE with llama's
+rotation, no biases) and the same renormalised softmax top-k, plus an ungated shared expert of S neurons added with
+weight 1 (`ffn_{gate,up,down}_shexp`), and dense FFNs in the first `leading_dense_block_count` layers
+(llama.cpp's `src/models/ernie4-5-moe.cpp`, in the llama.cpp that llama-cpp-python 0.3.36 vendors). llama.cpp's
+"qwen2moe" graph is no way out for shared experts: it never renormalises the top-k and computes its shared-expert
+gate as `silu(x) / x`, which is 0/0 for the zero gate weight that a constant gate of 1/2 needs. Dense layers after an
+MoE layer, and the switch router (top-k not renormalised), are refused.
 
 Weights are F32, F16 or BF16 (`dtype`), or Q8_0 (`outtype q8_0`: gguf's own quantizer, as llama.cpp's converter's
 `--outtype q8_0`); 1-D tensors, norms and routers are F32, as llama.cpp's converter writes them.
@@ -25,8 +29,7 @@ WordLevel) is not written: the file then has no vocabulary (`tokenizer.ggml.mode
 import dataclasses
 
 from ..registry import option
-from .base import ExportTarget, attention_reasons
-from .mixtral import mixtral_layout_reasons
+from .base import ExportTarget, attention_reasons, dense_layers
 from .registry import TARGETS
 
 GGUF_FILE = "model.gguf"
@@ -49,7 +52,11 @@ GGUF_TENSORS = {
     "gate_exps": "FFN_GATE_EXP",
     "up_exps": "FFN_UP_EXP",
     "down_exps": "FFN_DOWN_EXP",
+    "shexp_gate": "FFN_GATE_SHEXP",
+    "shexp_up": "FFN_UP_SHEXP",
+    "shexp_down": "FFN_DOWN_SHEXP",
 }
+LLAMA, ERNIE_MOE = "llama", "ernie4_5-moe"  # llama.cpp's architectures: Mixtral's graph, and with shared experts
 
 
 OUTTYPES = ("auto", "q8_0")
@@ -78,6 +85,33 @@ def graph_reasons(config) -> list[str]:
     return reasons
 
 
+def architecture(config) -> str:
+    """llama.cpp's architecture of the file: "llama", or "ernie4_5-moe" for shared experts or leading dense layers."""
+    if getattr(config, "num_experts", None) and (config.num_shared_experts or dense_layers(config)):
+        return ERNIE_MOE
+    return LLAMA
+
+
+def layout_reasons(config) -> list[str]:
+    """Why neither llama.cpp graph (Mixtral's, or ERNIE 4.5 MoE's with shared experts) expresses the MoE layers."""
+    reasons = []
+    if config.router_type == "switch":
+        reasons.append(
+            "router_type 'switch' keeps the top-k softmax probabilities as they are, llama.cpp's MoE graphs "
+            "renormalise them (qwen2_moe has norm_topk_prob=False)"
+        )
+    if config.attention_bias:
+        reasons.append("attention biases: llama.cpp's llama graph has none")
+    dense = dense_layers(config)
+    if dense != list(range(len(dense))):
+        reasons.append(f"the dense layers {dense}: llama.cpp's MoE graphs take dense layers only before the MoE ones")
+    if architecture(config) == ERNIE_MOE and rope_type(config) == "llama3":
+        reasons.append(
+            "llama3 RoPE with shared experts or dense layers: llama.cpp's ernie4_5-moe graph has no rope_freqs"
+        )
+    return reasons
+
+
 def rope_type(config) -> str:
     return (config.rope_parameters or {}).get("rope_type", "default")
 
@@ -99,15 +133,16 @@ def rope_permute(weight, heads: int):
 @TARGETS.register("gguf")
 class GGUF(ExportTarget):
     description = (
-        "llama.cpp's GGUF (model.gguf), architecture 'llama' with experts as llama.cpp writes Mixtral: what the "
-        "mixtral target maps, with the tokenizer in the metadata."
+        "llama.cpp's GGUF (model.gguf), architecture 'llama' with experts as llama.cpp writes Mixtral (what the "
+        "mixtral target maps), or 'ernie4_5-moe' for shared experts and leading dense layers; the tokenizer in the "
+        "metadata."
     )
     Options = GGUFOptions
     dense_sources = ("llama",)  # the dense model too, as llama.cpp's "llama" graph without experts
 
     @classmethod
     def target_reasons(cls, config) -> list[str]:
-        reasons = mixtral_layout_reasons(config) + attention_reasons(config, "gguf", ("llama",))
+        reasons = layout_reasons(config) + attention_reasons(config, "gguf", ("llama",))
         return reasons + graph_reasons(config)
 
     @classmethod
@@ -118,6 +153,9 @@ class GGUF(ExportTarget):
 
     def rope_type(self) -> str:
         return rope_type(self.config)
+
+    def architecture(self) -> str:
+        return architecture(self.config)
 
     def extra_tensors(self):
         if self.rope_type() == "llama3":

@@ -13,6 +13,8 @@ import gguf
 import numpy as np
 import torch
 
+from .base import dense_layers
+
 # dtype of the weights -> (GGML type of the weight matrices, the file's type), as llama.cpp's --outtype f32/f16/bf16
 FILE_TYPES = {
     torch.float32: (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -28,7 +30,7 @@ def write_gguf(job, path: Path) -> None:
     """Write `job`'s planned tensors, streamed, with the model and tokenizer metadata into `path`."""
     config, target = job.target.config, job.target
     matrix_type, file_type = Q8_0 if target.options.outtype == "q8_0" else FILE_TYPES[job.dtype]
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(path, target.architecture())
     add_model_metadata(writer, config, file_type, name=job.checkpoint.path.name)
     target.notes += add_vocabulary(writer, job.checkpoint.path, config.vocab_size, target.options.tokenizer_pre)
     types = {name: tensor_type(name, shape, matrix_type) for name, shape in job.plan.items()}
@@ -60,7 +62,8 @@ def tensor_type(name: str, shape: tuple[int, ...], matrix_type):
 
 
 def add_model_metadata(writer, config, file_type, name: str) -> None:
-    """The "llama" architecture's hyperparameters, with experts as llama.cpp's converter writes Mixtral's."""
+    """The "llama" architecture's hyperparameters, with experts as llama.cpp's converter writes Mixtral's; or
+    "ernie4_5-moe"'s, whose experts and shared experts have widths of their own (`architecture`)."""
     rope = config.rope_parameters or {}
     writer.add_name(name)
     writer.add_vocab_size(config.vocab_size)
@@ -68,8 +71,9 @@ def add_model_metadata(writer, config, file_type, name: str) -> None:
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     experts = getattr(config, "num_experts", None)  # None: a dense source
-    # llama.cpp sizes the graph's experts by n_ff, and a dense model's FFN
-    writer.add_feed_forward_length(config.moe_intermediate_size if experts else config.intermediate_size)
+    ernie = writer.arch == gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.ERNIE4_5_MOE]
+    # llama.cpp's "llama" sizes the graph's experts by n_ff, and a dense model's FFN; ERNIE's n_ff is the dense layers'
+    writer.add_feed_forward_length(config.moe_intermediate_size if experts and not ernie else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
@@ -83,6 +87,11 @@ def add_model_metadata(writer, config, file_type, name: str) -> None:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if ernie:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.num_shared_experts * config.shared_expert_intermediate_size)
+        writer.add_interleave_moe_layer_step(1)
+        writer.add_leading_dense_block_count(len(dense_layers(config)))
     writer.add_file_type(file_type)
 
 

@@ -8,10 +8,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import export_refusal, load_moe, logits, save_tiny_moe, save_tiny_source, tiny_llama, tiny_llama_config
+from helpers import (
+    export_refusal,
+    load_moe,
+    logits,
+    save_tiny_moe,
+    save_tiny_source,
+    tiny_llama,
+    tiny_llama_config,
+    tiny_moe,
+)
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, convert_to_moe
 from llama_moe_hf.commands import main
+from llama_moe_hf.conversion.recipe import sparsity_presets
 from llama_moe_hf.export import export_model
 from llama_moe_hf.export.gguf import rope_permute
 from llama_moe_hf.source_families import dense_config_fields
@@ -98,6 +108,28 @@ def test_every_method_exports_exactly_to_mixtral_and_qwen2_moe(converted, tiny_d
         assert model_class == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[target]
         difference = (target_logits - source_logits[name]).abs().max().item()
         assert difference < 1e-5, (name, target, difference)
+
+
+@pytest.mark.parametrize("name", sparsity_presets())
+def test_every_sparsity_preset_exports_exactly_to_qwen2_moe(name, tiny_dense, tiny_calibration, tmp_path):
+    """`--preset sparse-N` on a tiny model (its calibration and healing sizes shrunk to fit), healed: its linear
+    softmax top-k router, shared experts and score scale k are Qwen2-MoE's, the same logits in stock transformers."""
+    small = ["--calibration-tokens", "512", "--calibration-samples", "512", "--calibration-seq-len", "32"]
+    small += ["--heal-tokens", "256", "--heal-batch-tokens", "64", "--heal-epochs", "1", "--linear-selector-steps", "5"]
+    out = tmp_path / "moe"
+    argv = ["convert", "--preset", name, "--model", str(tiny_dense[0]), "--output", str(out), "--no-progress"]
+    assert main([*argv, "--calibration-data", str(tiny_calibration), *small]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["router_type"] == "top_k" and not config["moe_compensation"]
+    assert config["score_scale_factor"] == config["num_experts_per_tok"] > 0
+    card = (out / "README.md").read_text()
+    assert "Exports exactly to qwen2_moe, gguf." in card and "| `mixtral` | no: shared experts" in card
+    gguf_file = export_model(out, "gguf", tmp_path / "gguf", progress=False).output_dir / "model.gguf"
+    assert "ernie4_5-moe" in gguf_file.read_bytes()[:4096].decode("latin-1")  # llama.cpp's shared-expert graph
+    exported = export_model(out, "qwen2_moe", tmp_path / "qwen2_moe", progress=False).output_dir
+    model_class, target_logits = load_elsewhere([exported], tiny_dense[1])[str(exported)]
+    assert model_class == "Qwen2MoeForCausalLM"
+    torch.testing.assert_close(target_logits, logits(load_moe(out), tiny_dense[1]), atol=1e-5, rtol=0)
 
 
 # (source family, its config overrides, convert fields, target): sources other than LLaMA exported to the stock
@@ -224,6 +256,47 @@ def test_gguf_layout_metadata_and_values(converted, tmp_path):
     assert torch.equal(values["blk.1.ffn_up_exps.weight"], source["model.layers.1.mlp.experts.gate_up_proj"][:, 24:])
 
 
+def test_gguf_writes_shared_experts_and_leading_dense_layers_as_ernie_moe(tmp_path, capsys):
+    """Shared experts (and dense layers before the MoE ones) go to llama.cpp's "ernie4_5-moe" graph: the experts and
+    the shared experts each with their own width, the shared ones ungated, the score scale in the experts' down."""
+    import gguf
+
+    model = save_tiny_moe(tmp_path / "moe", num_experts=3, num_shared_experts=2, moe_layers=[1], score_scale_factor=2.0)
+    result = export_model(tmp_path / "moe", "gguf", tmp_path / "gguf", progress=False)
+    reader = gguf.GGUFReader(result.output_dir / "model.gguf")
+    fields, arch = gguf_fields(reader), "ernie4_5-moe"
+    expected = {
+        "general.architecture": arch,
+        f"{arch}.feed_forward_length": 96,  # the dense layers'
+        f"{arch}.expert_feed_forward_length": 24,
+        f"{arch}.expert_shared_feed_forward_length": 48,
+        f"{arch}.expert_count": 3,
+        f"{arch}.expert_used_count": 2,
+        f"{arch}.leading_dense_block_count": 1,
+        f"{arch}.interleave_moe_layer_step": 1,
+    }
+    assert {key: fields[key] for key in expected} == expected
+    tensors = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_shexp.weight"} <= set(tensors)
+    assert not any(name.startswith("blk.0.ffn_") and "exps" in name for name in tensors)
+    mlp = model.model.layers[1].mlp
+    torch.testing.assert_close(tensors["blk.1.ffn_up_shexp.weight"], mlp.shared_experts.up_proj.weight.detach())
+    torch.testing.assert_close(tensors["blk.1.ffn_down_exps.weight"], 2.0 * mlp.experts.down_proj.detach())
+    save_tiny_moe(tmp_path / "late", num_experts=3, num_shared_experts=1, moe_layers=[0])  # layer 1 dense
+    argv = [str(tmp_path / "late"), "--to", "gguf", "--output", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert "dense layers [1]: llama.cpp's MoE graphs take dense layers only before" in export_refusal(argv, capsys)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+    rope.update(high_freq_factor=4.0, original_max_position_embeddings=64)
+    fields = {**dense_config_fields(tiny_llama_config()), "rope_parameters": rope}
+    LlamaMoEForCausalLM(LlamaMoEConfig(**fields, num_experts=4, num_shared_experts=1)).save_pretrained(
+        tmp_path / "llama3"
+    )
+    argv = [str(tmp_path / "llama3"), "--to", "gguf", "--output", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert "ernie4_5-moe graph has no rope_freqs" in export_refusal(argv, capsys)
+
+
 def test_gguf_q8_0_quantizes_the_matrices_with_ggufs_quantizer(converted, tmp_path):
     """`outtype q8_0`: matrices whose rows are a multiple of 32 in Q8_0 (within half a quantization step of the F32
     export, plus the rounding of the F16 block scale), the others (the experts' down projection, rows of m = 24) in
@@ -318,8 +391,9 @@ def test_gguf_tokenizer_metadata(tmp_path):
 
 
 def test_llama_cpp_runs_the_gguf_like_transformers(tmp_path):
-    """llama.cpp's logits equal the LlamaMoE model's, with per-layer score scales and llama3 RoPE (rope_freqs), and
-    the dense source's through the same writer."""
+    """llama.cpp's logits equal the LlamaMoE model's, with per-layer score scales and llama3 RoPE (rope_freqs), the
+    dense source's through the same writer, and a model with two shared experts after a dense layer (ERNIE 4.5 MoE's
+    graph)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
     rope.update(high_freq_factor=4.0, original_max_position_embeddings=64)  # head_dim 8: every llama3 branch
@@ -328,22 +402,24 @@ def test_llama_cpp_runs_the_gguf_like_transformers(tmp_path):
     config = LlamaMoEConfig(**fields, num_experts=4, moe_intermediate_size=24, score_scale_factor=[2.0, 0.5])
     model = LlamaMoEForCausalLM(config).eval()
     dense = tiny_llama(rope_parameters=rope)  # the dense source, through the same writer
+    shared = tiny_moe(num_shared_experts=2, moe_layers=[1], score_scale_factor=2.0, num_experts_per_tok=3)
+    models = {"moe": model, "dense": dense, "shared": shared}
     with torch.no_grad():  # larger weights (norms aside): routing and logits far from uniform
-        for name, parameter in [*model.named_parameters(), *dense.named_parameters()]:
+        for name, parameter in [p for m in models.values() for p in m.named_parameters()]:
             parameter.mul_(1 if "norm" in name else 10)
-    model.save_pretrained(tmp_path / "moe")
-    result = export_model(tmp_path / "moe", "gguf", tmp_path / "gguf", progress=False)
-    dense.save_pretrained(tmp_path / "dense")
-    dense_result = export_model(tmp_path / "dense", "gguf", tmp_path / "dense-gguf", progress=False)
+    exported = {}
+    for name, source in models.items():
+        source.save_pretrained(tmp_path / name)
+        exported[name] = export_model(tmp_path / name, "gguf", tmp_path / f"{name}-gguf", progress=False).output_dir
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     f32 = llama_cpp.GGML_TYPE_F32  # the default F16 KV cache would round keys and values
-    for source, exported in ((model, result.output_dir), (dense, dense_result.output_dir)):
-        llm = llama_cpp.Llama(str(exported / "model.gguf"), n_ctx=64, logits_all=True, verbose=False,
+    for name, source in models.items():
+        llm = llama_cpp.Llama(str(exported[name] / "model.gguf"), n_ctx=64, logits_all=True, verbose=False,
                               type_k=f32, type_v=f32)  # fmt: skip
         llm.eval(ids)
         scores = torch.tensor(np.array(llm.scores[: len(ids)]))
         difference = (scores - logits(source, torch.tensor([ids]))[0]).abs().max()
-        assert difference < 1e-4, (exported.name, difference)
+        assert difference < 1e-4, (name, difference)
 
 
 def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
@@ -360,7 +436,6 @@ def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
         (attn, "mixtral", "AttnMoE"),
         (soap, "qwen2_moe", "SoapMoE"),
         (converted["residual"], "mixtral", "shared experts (1)"),
-        (converted["residual"], "gguf", "shared experts (1)"),
         (converted["switch-dense-shared"], "gguf", "router_type 'switch'"),
         (dense, "mixtral", "not a converted LlamaMoE checkpoint"),
         (tmp_path / "missing", "mixtral", "is not a converted model folder"),

@@ -318,3 +318,35 @@ def test_compensation_alone_calibrates_its_mean_activations(tiny_dense, tiny_cal
     assert load_file(result.output_dir / "model.safetensors")["model.layers.1.mlp.compensation"].abs().sum() > 0
     info = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]
     assert info["calibration_data"].startswith("local file")
+
+
+def test_a_linear_router_fitted_like_the_selector_ranks_better_than_random_and_loads_as_top_k():
+    """`router_type="top_k"`: the selector's objective with linear logits, the state dict of the model's own top_k
+    router (the `linear_selector` init, which every export target computes)."""
+    hidden, energy = selector_problem()
+    train, test = slice(0, 2000), slice(2000, None)
+    state = g.train_selector(hidden[train], energy[train], NUM_EXPERTS, steps=50, router_type="top_k")
+    assert set(state) == {"weight"} and state["weight"].shape == (NUM_EXPERTS, hidden.shape[1])
+    scores = g.selector_scores(state, hidden[test], router_type="top_k")
+    torch.testing.assert_close(scores, hidden[test] @ state["weight"].T)  # linear logits, nothing else
+    random_scores = torch.rand(energy[test].shape, generator=torch.Generator().manual_seed(1))
+    for top_k in (1, 2):
+        recall = g.energy_recall(scores, energy[test], top_k)
+        assert recall > g.energy_recall(random_scores, energy[test], top_k) + 0.05, (top_k, recall)
+
+
+def test_the_even_weight_temperature_reproduces_unit_weights():
+    """k times the renormalised top-k weights should give each chosen expert weight 1: with every expert chosen that
+    is exact as the temperature goes to 0, so the smallest wins; at top-1 the weight is 1 whatever the temperature."""
+    from llama_moe_hf.conversion.routers.linear_selector import TEMPERATURES, even_weight_temperature
+
+    config = moe_config()
+    mlp = dense_mlp(config)
+    split = split_random(config.intermediate_size, NUM_EXPERTS, seed=0)
+    tensors = build_expert_tensors(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, split)
+    hidden = torch.randn(256, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(NUM_EXPERTS, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert even_weight_temperature(hidden, tensors, weight, NUM_EXPERTS) == min(TEMPERATURES)
+    assert even_weight_temperature(hidden, tensors, weight, 1) == 1.0
+    # with logits that already weight the chosen experts unequally on purpose, a larger temperature can win
+    assert even_weight_temperature(hidden, tensors, weight * 1e-3, 2) in TEMPERATURES

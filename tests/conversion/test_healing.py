@@ -271,8 +271,8 @@ def test_the_stream_target_is_the_default_except_with_attention_experts_where_it
 
 
 def test_the_presets_healing_gives_the_same_weights_converting_or_healing_later(tiny_dense, tmp_path):
-    """What `--preset sparse-25` runs (residual split, selector, compensation, stream target) heals the same while
-    converting as `llama-moe heal` does on the training-free folder afterwards."""
+    """What `--preset sparse-25-selector` runs (residual split, selector, compensation, stream target) heals the same
+    while converting as `llama-moe heal` does on the training-free folder afterwards."""
     preset = dict(method="residual", num_experts=3, num_shared_experts=1, router_init="selector", compensation=True)
     fields = dict(SPLIT, **preset, progress=False)  # the module's split settings, with the preset's construction
     # at the default rate, 4 steps overshoot on this tiny model and every layer keeps its built weights

@@ -1,5 +1,6 @@
 """`llama-moe convert --preset NAME`: the recipe files of recipes/convert/ by name, overridden by flags."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,25 @@ def test_a_sparsity_preset_keeps_its_share_of_the_ffn_active(name):
     share = (recipe.top_k + recipe.num_shared_experts) / (recipe.num_experts + recipe.num_shared_experts)
     assert share == int(name.removeprefix("sparse-")) / 100
     assert recipe.moe_layers is None and recipe.heal_tokens > 0
+
+
+def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatch, capsys):
+    """`--help` reads the presets' quality and speed from one results file (benchmarks/results/presets.jsonl)."""
+    from llama_moe_hf.conversion import recipe as recipe_module
+
+    name = sparsity_presets()[0]
+    rows = [
+        {"kind": "quality", "preset": name, "ratio": {"tutorial": 9.0}, "convert_seconds": 60},
+        {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.5, "licences": 1.25}, "convert_seconds": 1200},
+        {"kind": "speed", "preset": name, "runtime": "llama.cpp F16", "decode_ratio": 1.61},
+    ]
+    results = tmp_path / "presets.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.setattr(recipe_module, "PRESET_RESULTS", results)
+    expected = (
+        "perplexity vs dense: tutorial 1.50x, licences 1.25x; converted in 20 min; decodes 1.61x dense (llama.cpp F16)"
+    )
+    assert recipe_module.preset_measurements() == {name: expected}
+    assert main(["convert", "--help"]) == 0
+    assert f"Measured (benchmarks/results/presets.jsonl): {expected}." in " ".join(capsys.readouterr().out.split())
+    assert recipe_module.preset_measurements(tmp_path / "missing.jsonl") == {}

@@ -190,7 +190,7 @@ def test_defaults_are_resolved_without_changing_the_recipe_given():
         (dict(method="attention_heads"), "builds attention experts, not mlp experts"),
         (
             dict(router_init="fit"),
-            "'fit' cannot start mlp routers; choose one of analytical, kmeans, random, selector, uniform_random, zero",
+            "'fit' cannot start mlp routers; choose one of analytical, kmeans, selector, linear_selector, random, uniform_random, zero",
         ),
         (dict(router_type="selector"), "A 'selector' router is made by router init selector, not 'random'"),
         (dict(router_init="selector", router_type="switch"), "makes a 'selector' router, not 'switch'"),

@@ -21,6 +21,7 @@ class RouterInit:
     needs_neuron_split = False  # works only on experts that are subsets of the dense neurons
     needs_representatives = False  # works only on splits with a representative neuron per expert
     unit_weights = False  # its gate gives every selected expert weight 1 (the default score scale is then 1)
+    even_weights = False  # a renormalised top-k whose k weights it keeps near 1/k (the default score scale is then k)
     needs_expert_inputs = False  # a merge's: reads each expert model's prompts or data (`expert_inputs`)
     mix_stage = False  # a merge trains its rows once the folder is written (BTX's MiX: `merging.mix`)
 

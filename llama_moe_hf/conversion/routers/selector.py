@@ -29,27 +29,38 @@ class SelectorRouter(RouterInit):
     router_type = "selector"
     needs_neuron_split = True
     unit_weights = True
+    fitted_router_type = "selector"  # the router module `fit` trains
 
     def request(self, context) -> None:
         context.request_mlp(self.target.layers)
         self._quality = []  # per layer: held-out energy recall of the selector and of a random router
 
     def tensors(self, layer_idx, built, context) -> dict:
+        state, quality = self.fit(layer_idx, built, context)
+        self._quality.append(quality)
+        return state
+
+    def fit(self, layer_idx, built, context) -> tuple[dict, dict]:
+        """One layer's fitted router state and its held-out quality (`gmoefication.train_layer_selector`)."""
         from ..gmoefication import train_layer_selector
 
         stats = context.mlp(layer_idx)
         mean = stats.mean_activation[built.split.expert_neurons] if self.recipe.compensation else None
-        state, quality = train_layer_selector(
+        steps, objective = self.fit_settings()
+        return train_layer_selector(
             stats.hidden_states,
             built.tensors,
             mean,
             top_k=self.target.top_k,
-            steps=self.options.selector_steps,
-            objective=self.options.selector_objective,
+            steps=steps,
+            objective=objective,
             seed=layer_seed(self.recipe.seed, layer_idx, SELECTOR_STREAM),
+            router_type=self.fitted_router_type,
         )
-        self._quality.append(quality)
-        return state
+
+    def fit_settings(self) -> tuple[int, str]:
+        """(L-BFGS steps, objective) of the fit."""
+        return self.options.selector_steps, self.options.selector_objective
 
     def info(self) -> dict:
         """The mean over layers of the selectors' held-out energy recall at top-k, next to a random router's."""

@@ -1,0 +1,105 @@
+"""Write the held-out texts of `benchmarks/common.py` under data/heldout/ from what this machine has (no Hub).
+
+    apt-get download python3.11-doc && dpkg -x python3.11-doc_*.deb /tmp/pydoc     # the Python docs' sources
+    python benchmarks/quality/make_heldout.py --python-docs /tmp/pydoc
+
+- tutorial, howto: CPython's Doc/tutorial and Doc/howto (.rst.txt), the texts settings are chosen and confirmed on;
+  the same domain as the built-in calibration corpus (Python documentation).
+- licences: Debian's /usr/share/common-licenses (GPL, LGPL, MPL, Apache, GFDL, Artistic...): legal prose.
+- manpages: every 150th section-1 manual page of /usr/share/man, rendered as `man` shows it at 80 columns: command
+  manuals of many tools.
+
+The last two are of other domains than any calibration corpus here, the texts a claim is confirmed on.
+
+`--calibration-mix` also writes data/calibration/mix.jsonl, a calibration corpus of three domains in turn, one
+document of each (each cut at 2,000 characters so that no domain's long documents fill the first tokens): the standard
+library's docstrings (the built-in corpus), its source code (`llama-moe offline-data`'s pretrain/code, which must be
+there) and the READMEs of /usr/share/doc (documentation of other software).
+"""
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LICENCES = Path("/usr/share/common-licenses")
+MAN1 = Path("/usr/share/man/man1")
+MAN_STRIDE = 150
+
+
+def python_docs(unpacked: Path, output: Path) -> None:
+    sources = unpacked / "usr/share/doc/python3.11/html/_sources"
+    if not sources.is_dir():
+        raise SystemExit(f"{sources} is missing: unpack python3.11-doc there first (see the docstring).")
+    for name in ("tutorial", "howto"):
+        shutil.rmtree(output / name, ignore_errors=True)
+        shutil.copytree(sources / name, output / name)
+
+
+def licences(output: Path) -> int:
+    folder = output / "licences"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = sorted(path for path in LICENCES.iterdir() if path.is_file() and not path.is_symlink())
+    for path in files:
+        (folder / f"{path.name}.txt").write_text(path.read_text(errors="replace"))
+    return len(files)
+
+
+def manpages(output: Path) -> int:
+    folder = output / "manpages"
+    folder.mkdir(parents=True, exist_ok=True)
+    pages = sorted(MAN1.glob("*.1.gz"))[::MAN_STRIDE]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MANWIDTH": "80", "LANG": "C.UTF-8"}
+    written = 0
+    for page in pages:
+        shown = subprocess.run(["man", "-l", str(page)], capture_output=True, text=True, env=env, check=False)
+        plain = subprocess.run(["col", "-bx"], input=shown.stdout, capture_output=True, text=True, check=False)
+        if plain.stdout.strip():
+            (folder / f"{page.name.removesuffix('.1.gz')}.txt").write_text(plain.stdout)
+            written += 1
+    return written
+
+
+def calibration_mix(output: Path, cut: int = 2000) -> int:
+    from llama_moe_hf.text.corpus import stdlib_docstrings
+
+    code_file = ROOT / "data" / "offline" / "pretrain" / "code" / "train.jsonl"
+    code = [json.loads(line)["text"] for line in code_file.read_text().splitlines()]
+    readmes = []
+    for path in sorted(Path("/usr/share/doc").glob("*/README*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", errors="replace") as file:
+            text = file.read()
+        if len(text) > 500:
+            readmes.append(text)
+    kinds = {"docstrings": stdlib_docstrings(), "code": code, "readmes": readmes}
+    rows = [
+        {"kind": kind, "text": docs[i][:cut]}
+        for i in range(max(map(len, kinds.values())))
+        for kind, docs in kinds.items()
+        if i < len(docs)
+    ]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--python-docs", type=Path, help="where python3.11-doc was unpacked (dpkg -x)")
+    parser.add_argument("--output", type=Path, default=ROOT / "data" / "heldout")
+    parser.add_argument("--calibration-mix", action="store_true", help="also write data/calibration/mix.jsonl")
+    args = parser.parse_args()
+    if args.calibration_mix:
+        print(f"calibration mix: {calibration_mix(ROOT / 'data' / 'calibration' / 'mix.jsonl')} documents")
+    if args.python_docs:
+        python_docs(args.python_docs, args.output)
+    print(f"licences: {licences(args.output)} files; manpages: {manpages(args.output)} pages -> {args.output}")
+
+
+if __name__ == "__main__":
+    main()
