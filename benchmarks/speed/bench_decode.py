@@ -138,8 +138,10 @@ def time_task(task, models: dict, args) -> tuple[dict, dict]:
     seconds = interleaved_times(calls, args.rounds, args.warmup, synchronize=sync)
     tokens = {name: values[0][0] for name, values in step_rates.items()}
     rates = {name: [tokens[name] / s for s in values] for name, values in seconds.items()}
-    steps = {name: [rate for _, rate in values[args.warmup :]] for name, values in step_rates.items()}
-    return medians(rates), medians(steps)
+    steps = {
+        name: [rate for _, rate in values[args.warmup :] if rate is not None] for name, values in step_rates.items()
+    }
+    return medians(rates), medians({name: values for name, values in steps.items() if values})  # prefill has no steps
 
 
 def measure(args) -> dict:
