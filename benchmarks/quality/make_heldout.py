@@ -49,17 +49,21 @@ def licences(output: Path) -> int:
     return len(files)
 
 
+def render_man_page(page: Path) -> str:
+    """A manual page as `man` shows it at 80 columns, overstrikes removed (empty if it does not render)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MANWIDTH": "80", "LANG": "C.UTF-8"}
+    shown = subprocess.run(["man", "-l", str(page)], capture_output=True, text=True, env=env, check=False)
+    return subprocess.run(["col", "-bx"], input=shown.stdout, capture_output=True, text=True, check=False).stdout
+
+
 def manpages(output: Path) -> int:
     folder = output / "manpages"
     folder.mkdir(parents=True, exist_ok=True)
-    pages = sorted(MAN1.glob("*.1.gz"))[::MAN_STRIDE]
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MANWIDTH": "80", "LANG": "C.UTF-8"}
     written = 0
-    for page in pages:
-        shown = subprocess.run(["man", "-l", str(page)], capture_output=True, text=True, env=env, check=False)
-        plain = subprocess.run(["col", "-bx"], input=shown.stdout, capture_output=True, text=True, check=False)
-        if plain.stdout.strip():
-            (folder / f"{page.name.removesuffix('.1.gz')}.txt").write_text(plain.stdout)
+    for page in sorted(MAN1.glob("*.1.gz"))[::MAN_STRIDE]:
+        text = render_man_page(page)
+        if text.strip():
+            (folder / f"{page.name.removesuffix('.1.gz')}.txt").write_text(text)
             written += 1
     return written
 

@@ -14,9 +14,7 @@ Deterministic (seed 0).
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,18 +24,13 @@ from benchmarks.common import RESULTS, ROOT, record
 
 TASKS = ROOT / "data" / "tasks"
 CONTEXT_WORDS, ANSWER_WORDS, ITEMS_PER_KIND = 48, 12, 150
-MAN1 = Path("/usr/share/man/man1")
 
 
-def manual_pages(count: int) -> list[str]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MANWIDTH": "80", "LANG": "C.UTF-8"}
-    texts = []
-    for page in sorted(MAN1.glob("*.1.gz"))[75::150]:
-        shown = subprocess.run(["man", "-l", str(page)], capture_output=True, text=True, env=env, check=False)
-        texts.append(shown.stdout)
-        if len(texts) == count:
-            break
-    return texts
+def manual_pages() -> list[str]:
+    """The section-1 pages halfway between the held-out text's (`make_heldout.py` takes every MAN_STRIDE-th)."""
+    from benchmarks.quality.make_heldout import MAN1, MAN_STRIDE, render_man_page
+
+    return [render_man_page(page) for page in sorted(MAN1.glob("*.1.gz"))[MAN_STRIDE // 2 :: MAN_STRIDE]]
 
 
 def passages(texts: list[str]) -> list[list[str]]:
@@ -67,7 +60,7 @@ def write_task() -> dict:
         from llama_moe_hf.text.corpus import stdlib_docstrings
 
         rng = random.Random(0)
-        rows = items("docstrings", stdlib_docstrings(), rng) + items("manpages", manual_pages(400), rng)
+        rows = items("docstrings", stdlib_docstrings(), rng) + items("manpages", manual_pages(), rng)
         TASKS.mkdir(parents=True, exist_ok=True)
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return {
