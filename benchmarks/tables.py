@@ -16,7 +16,8 @@ and date filled in. Rows transcribed from earlier docs keep the command and date
 
 Three tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
 the tutorial ratio), `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
-all cases; later single-case reruns stay in the file and the prose) and `btx` (results/btx.jsonl's latest run).
+all cases; later single-case reruns stay in the file and the prose) and `btx` (results/btx.jsonl's last whole run, from its
+dense row, with the rows `btx_run.py eval --only` rescored or added after it).
 """
 
 import argparse
@@ -94,6 +95,7 @@ def sparsity_table(rows: list[dict]) -> str:
         healed = f"{row['heal_tokens']:,}" if row["heal_tokens"] else "-"
         changed = " ".join(f"{name}={value}" for name, value in row.get("heal_fields", {}).items())
         method = row["method"] + (f", {row['shared']} shared" if "shared" in row else "")
+        method += f", experts cut in {row['granularity']}" if "granularity" in row else ""
         router = row["router"] + ("" if row.get("compensation", True) else ", no compensation")
         router += f", calibrated on {Path(row['calibration_data']).stem}" if "calibration_data" in row else ""
         cells = [f"{row['sparsity']}%", method, router + (f" ({changed})" if changed else ""), healed]
@@ -132,9 +134,15 @@ BTX_TEXTS = ("prose", "code", "math", "mixture", "general")
 
 
 def btx_table(rows: list[dict]) -> str:
-    """benchmarks/quality/btx_run.py's rows (its latest run): perplexity per text, with each stage's tokens and time."""
+    """benchmarks/quality/btx_run.py's rows (the latest of each model): perplexity per text, each stage's tokens and
+    time."""
+    mine = [row for row in rows if row.get("table") == "btx"]
+    start = max((i for i, row in enumerate(mine) if row["stage"] == "none"), default=0)  # a whole run scores dense first
+    latest = {}
+    for row in mine[start:]:
+        latest[row["model"]] = row  # a later row (`--only`) replaces the model's earlier one and keeps its place
     lines = []
-    for row in rows:
+    for row in latest.values():
         seconds = "-" if row["stage_seconds"] is None else f"{row['stage_seconds']:.0f}"
         tokens = f"{row['train_tokens']:,}" if row["train_tokens"] else "-"
         cells = [row["model"], row["stage"], tokens, seconds]
@@ -146,7 +154,7 @@ def btx_table(rows: list[dict]) -> str:
 SCRIPT_TABLES = {
     "sparsity": lambda: sparsity_table([row for row in read_rows("sparsity.jsonl") if "method" in row]),
     "training_memory": lambda: training_memory_table(read_rows("training_memory.jsonl")),
-    "btx": lambda: btx_table(latest_run(read_rows("btx.jsonl"), "btx")),
+    "btx": lambda: btx_table(read_rows("btx.jsonl")),  # the last whole run and the rows rescored after it
 }
 
 

@@ -6,6 +6,7 @@ runs the two merges and the evaluation, one stage per command:
 
     python benchmarks/quality/btx_run.py merge    # outputs/btx/merged (expert_data), -uncentred, -prompts (hidden)
     python benchmarks/quality/btx_run.py eval     # one row per model -> benchmarks/results/btx.jsonl
+    python benchmarks/quality/btx_run.py eval --only "BTX's MiX"   # the rows whose names hold these words
 
 Perplexity: non-overlapping 256-token windows over the first `--tokens` tokens of each text (the package's
 `sliding_window_perplexity`, as `llama-moe eval --window 256 --stride 256` scores), the same tokens for every model.
@@ -47,6 +48,7 @@ MODELS = {  # row name: (folder, stage that made it)
     "merged 3x top-2, expert_data gate (before MiX)": (OUT / "merged", "merge"),
     "merged 3x top-2, expert_data gate uncentred (before MiX)": (OUT / "merged-uncentred", "merge"),
     "merged, after MiX (routers trained)": (OUT / "mixed", "mix"),
+    "merged, after BTX's MiX (every weight, 120 steps)": (OUT / "mixed-long", "mix"),
     "merged 3x top-2, hidden gate (prompts)": (OUT / "merged-prompts", "merge"),
 }
 
@@ -101,7 +103,7 @@ def stage_cost(folder: Path | None, stage: str) -> tuple[int, float | None]:
     return 0, None
 
 
-def evaluate_stage(max_tokens: int) -> None:
+def evaluate_stage(max_tokens: int, only: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,6 +113,8 @@ def evaluate_stage(max_tokens: int) -> None:
     dense = model_folder(DEFAULT_MODEL)
     tokens = texts(read_tokenizer(str(dense)), max_tokens)
     for name, (folder, stage) in MODELS.items():
+        if only and not any(word in name for word in only):
+            continue
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder or dense, dtype=torch.float32).eval()
         result = {text: round(value, 3) for text, value in perplexities(model, tokens, batch_size=4).items()}
@@ -126,12 +130,13 @@ def evaluate_stage(max_tokens: int) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["merge", "eval"])
+    parser.add_argument("--only", nargs="+", help="eval: only the rows whose names contain one of these words")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of each text scored (256-token windows)")
     args = parser.parse_args(argv)
     if args.stage == "merge":
         merge_stage()
     else:
-        evaluate_stage(args.tokens)
+        evaluate_stage(args.tokens, args.only)
 
 
 if __name__ == "__main__":

@@ -4,21 +4,19 @@
     python benchmarks/quality/make_heldout.py --python-docs /tmp/pydoc
 
 - tutorial, howto: CPython's Doc/tutorial and Doc/howto (.rst.txt), the texts settings are chosen and confirmed on;
-  the same domain as the built-in calibration corpus (Python documentation).
+  the domain of the built-in calibration corpus's docstrings (Python documentation).
 - licences: Debian's /usr/share/common-licenses (GPL, LGPL, MPL, Apache, GFDL, Artistic...): legal prose.
 - manpages: every 150th section-1 manual page of /usr/share/man, rendered as `man` shows it at 80 columns: command
   manuals of many tools.
 
 The last two are of other domains than any calibration corpus here, the texts a claim is confirmed on.
 
-`--calibration-mix` also writes data/calibration/mix.jsonl, a calibration corpus of three domains in turn, one
-document of each (each cut at 2,000 characters so that no domain's long documents fill the first tokens): the standard
-library's docstrings (the built-in corpus), its source code (`llama-moe offline-data`'s pretrain/code, which must be
-there) and the READMEs of /usr/share/doc (documentation of other software).
+`--builtin-corpus NAME` also writes data/calibration/builtin-NAME.jsonl, one of the package's built-in corpora
+(`llama_moe_hf/text/corpus.py`: `docstrings`, the default calibration text, or `mixed`) as JSON lines, for recipes
+that read files (`recipes/pretrain/joint-heal.yaml`).
 """
 
 import argparse
-import gzip
 import json
 import os
 import shutil
@@ -68,38 +66,27 @@ def manpages(output: Path) -> int:
     return written
 
 
-def calibration_mix(output: Path, cut: int = 2000) -> int:
-    from llama_moe_hf.text.corpus import stdlib_docstrings
+def builtin_corpus(name: str, output: Path) -> int:
+    """One of the package's built-in corpora as JSON lines, for what reads files (a recipe's `domains`)."""
+    from llama_moe_hf.text.corpus import builtin_corpus as corpus
 
-    code_file = ROOT / "data" / "offline" / "pretrain" / "code" / "train.jsonl"
-    code = [json.loads(line)["text"] for line in code_file.read_text().splitlines()]
-    readmes = []
-    for path in sorted(Path("/usr/share/doc").glob("*/README*")):
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", errors="replace") as file:
-            text = file.read()
-        if len(text) > 500:
-            readmes.append(text)
-    kinds = {"docstrings": stdlib_docstrings(), "code": code, "readmes": readmes}
-    rows = [
-        {"kind": kind, "text": docs[i][:cut]}
-        for i in range(max(map(len, kinds.values())))
-        for kind, docs in kinds.items()
-        if i < len(docs)
-    ]
+    texts, _ = corpus(name)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return len(rows)
+    output.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return len(texts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python-docs", type=Path, help="where python3.11-doc was unpacked (dpkg -x)")
     parser.add_argument("--output", type=Path, default=ROOT / "data" / "heldout")
-    parser.add_argument("--calibration-mix", action="store_true", help="also write data/calibration/mix.jsonl")
+    parser.add_argument(
+        "--builtin-corpus", choices=["docstrings", "mixed"], help="also write data/calibration/builtin-NAME.jsonl"
+    )
     args = parser.parse_args()
-    if args.calibration_mix:
-        print(f"calibration mix: {calibration_mix(ROOT / 'data' / 'calibration' / 'mix.jsonl')} documents")
+    if args.builtin_corpus:
+        output = ROOT / "data" / "calibration" / f"builtin-{args.builtin_corpus}.jsonl"
+        print(f"built-in corpus {args.builtin_corpus}: {builtin_corpus(args.builtin_corpus, output)} documents")
     if args.python_docs:
         python_docs(args.python_docs, args.output)
     print(f"licences: {licences(args.output)} files; manpages: {manpages(args.output)} pages -> {args.output}")

@@ -38,14 +38,17 @@ OPTIONS = {"cluster": {"cluster_on": "activations"}}
 CALIBRATION = dict(calibration_tokens=32768, calibration_samples=32768)
 
 
-def row_fields(method: str, sparsity: int, router: str, shared: int | None = None, compensation: bool = True) -> dict:
+def row_fields(
+    method: str, sparsity: int, router: str, shared: int | None = None, compensation: bool = True, granularity: int = 1
+) -> dict:
     """The recipe fields of a row: `sparsity`% of the 8 experts' worth of neurons active, the shared ones included
-    (`shared`: how many, default the method's `SHARED`)."""
-    shared = SHARED[method] if shared is None else shared
-    active = NUM_EXPERTS * sparsity // 100
+    (`shared`: how many, default the method's `SHARED`); `granularity` G cuts each expert in G (fine-grained experts:
+    8G experts, G times as many shared and chosen, the same neurons active)."""
+    shared = (SHARED[method] if shared is None else shared) * granularity
+    active = NUM_EXPERTS * granularity * sparsity // 100
     return dict(
         method=method,
-        num_experts=NUM_EXPERTS - shared,
+        num_experts=NUM_EXPERTS * granularity - shared,
         num_shared_experts=shared,
         top_k=active - shared,
         router_init=router,
@@ -88,6 +91,7 @@ def main() -> None:
         "--heal-fields", nargs="+", default=[], metavar="NAME=VALUE", help="healing fields of healed rows: heal_lr=1e-3"
     )
     parser.add_argument("--shared", type=int, help="shared experts of every row (default: 1 where the method has them)")
+    parser.add_argument("--granularity", type=int, default=1, help="fine-grained experts: each of the 8 cut in G")
     parser.add_argument("--compensation", choices=("on", "off"), default="on", help="G-MoEfication's table")
     parser.add_argument("--calibration-data", help="calibration (and healing) text instead of the built-in corpus")
     parser.add_argument(
@@ -118,11 +122,15 @@ def main() -> None:
                 if router == "analytical" and method != "carve":
                     continue
                 for heal in args.heal:
-                    fields = row_fields(method, sparsity, router, args.shared, args.compensation == "on")
+                    fields = row_fields(
+                        method, sparsity, router, args.shared, args.compensation == "on", args.granularity
+                    )
                     changed = heal_fields if heal else {}
                     row = {"method": method, "sparsity": sparsity, "router": router, "heal_tokens": heal}
                     if args.shared is not None:
                         row["shared"] = args.shared
+                    if args.granularity != 1:
+                        row["granularity"] = args.granularity
                     if args.compensation == "off":
                         row["compensation"] = False
                     if args.calibration_data:

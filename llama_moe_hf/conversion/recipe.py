@@ -154,7 +154,8 @@ PRESET_RESULTS = _PACKAGE.parent / "benchmarks" / "results" / "presets.jsonl"
 
 def preset_measurements(path: Path | None = None) -> dict[str, str]:
     """{preset: one line of its latest measured figures}: perplexity as a ratio to the dense model per held-out text,
-    the conversion's minutes, and decoding speed against dense per runtime; {} without the results file."""
+    the conversion's minutes, decoding speed against dense per runtime, and task accuracy as a share of the dense
+    model's; {} without the results file."""
     import json
 
     path = path or PRESET_RESULTS
@@ -170,7 +171,10 @@ def preset_measurements(path: Path | None = None) -> dict[str, str]:
             ratios = ", ".join(f"{text} {ratio:.2f}x" for text, ratio in row["ratio"].items())
             minutes = f"; converted in {row['convert_seconds'] / 60:.0f} min" if row.get("convert_seconds") else ""
             parts.setdefault(preset, []).insert(0, f"perplexity vs dense: {ratios}{minutes}")
-        else:
+        elif kind == "tasks":
+            shares = ", ".join(f"{task} {share:.0%}" for task, share in row["share"].items())
+            parts.setdefault(preset, []).append(f"task accuracy vs dense: {shares}")
+        elif "decode_ratio" in row:
             parts.setdefault(preset, []).append(f"decodes {row['decode_ratio']:.2f}x dense ({runtime})")
     return {preset: "; ".join(texts) for preset, texts in parts.items()}
 

@@ -1,5 +1,5 @@
 """Documents from anywhere: a local .txt/.md/.json/.jsonl/.parquet file or folder, a `datasets` name, or the
-built-in corpus (Python standard-library docstrings, no download).
+built-in corpus (Python standard-library docstrings, or `builtin:mixed`; no download).
 
 load_texts       the whole source as a list of documents, and a line saying where they came from
 iter_documents   the same sources one document at a time, never all in memory (analyze, eval)
@@ -9,7 +9,9 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .corpus import stdlib_docstrings
+from .corpus import builtin_corpus
+
+BUILTIN = "builtin:"  # `builtin:NAME` names a built-in corpus (text/corpus.py); no spec is the default one
 
 TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet")
 
@@ -140,6 +142,11 @@ def _text_files(path: Path, what: str) -> list[Path]:
     return [path]
 
 
+def _builtin_name(spec: str | None) -> tuple[str, ...]:
+    """`builtin_corpus`'s arguments for `spec` (None: the default corpus)."""
+    return () if spec is None else (spec.removeprefix(BUILTIN),)
+
+
 def iter_documents(
     spec: str | None,
     *,
@@ -152,8 +159,8 @@ def iter_documents(
     """The documents of `spec` (as `load_texts` reads it) one at a time, never all in memory: for
     commands that read as much as they need of sources of any size (`analyze`, `eval`). Empty documents are
     skipped; long .txt files come in pieces of about `piece_chars` characters."""
-    if spec is None:
-        yield from (text for text in stdlib_docstrings() if text.strip())
+    if spec is None or spec.startswith(BUILTIN):
+        yield from (text for text in builtin_corpus(*_builtin_name(spec))[0] if text.strip())
         return
     path = Path(spec).expanduser()
     if path.exists():
@@ -177,14 +184,14 @@ def load_texts(
     """Documents (`what`: calibration data, or the documents `batch-similar` orders) and a one-line description of
     where they came from (for the log).
 
-    `spec` is None (the built-in corpus: Python standard-library docstrings, no download), a local .txt/.md/.json/
+    `spec` is None (the built-in corpus: Python standard-library docstrings, no download), `builtin:NAME` (another
+    built-in corpus, `text/corpus.py`: `builtin:mixed`), a local .txt/.md/.json/
     .jsonl/.parquet file, a folder (its files with those suffixes, recursively, in sorted order), or a
     `datasets` name (`NAME` or `NAME:CONFIG`; needs the Hub or a local datasets cache). `max_chars` stops reading a
     streamed dataset early. `dataset_loader` defaults to `datasets.load_dataset` (the seam tests replace).
     """
-    if spec is None:
-        texts = stdlib_docstrings()
-        return texts, f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
+    if spec is None or spec.startswith(BUILTIN):
+        return builtin_corpus(*_builtin_name(spec))
     path = Path(spec).expanduser()
     if path.exists():
         files = _text_files(path, what)

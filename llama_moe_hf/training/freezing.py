@@ -1,5 +1,5 @@
 """Which parameters a training run updates: all of them (the default), all but the routers, only the MoE blocks
-the conversion built, or only the MLP routers (BTX's MiX stage)."""
+the conversion built, or only the MLP routers (a router-only MiX stage)."""
 
 ROUTER_PARAMETER = "mlp.gate."  # the MLP routers' parameters: `model.layers.N.mlp.gate.weight`, ...
 
@@ -34,7 +34,7 @@ def train_moe_only(model) -> int:
 
 
 def train_routers_only(model) -> int:
-    """Train only the MLP routers (`mlp.gate.*`), every other weight frozen: Branch-Train-MiX's MiX stage on a merged
+    """Train only the MLP routers (`mlp.gate.*`), every other weight frozen: a router-only MiX stage on a merged
     model. Returns the number of parameters left to train."""
     routers = [param for name, param in model.named_parameters() if ROUTER_PARAMETER in name]
     if not routers:

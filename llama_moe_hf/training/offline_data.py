@@ -14,15 +14,12 @@ format, so the loss covers the assistant's answer with any chat template.
 """
 
 import ast
-import importlib.util
 import inspect
 import json
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..text.corpus import SKIP_MODULES, stdlib_docstrings, stdlib_modules
+from ..text.corpus import stdlib_definitions, stdlib_docstrings, stdlib_modules
 
 
 @dataclass
@@ -97,35 +94,18 @@ def _write_splits(folder: Path, splits: dict[str, list[dict]]) -> dict[str, int]
     return {split: len(rows) for split, rows in splits.items()}
 
 
-def _stdlib_sources() -> Iterator[tuple[str, str]]:
-    """(module name, source text) of the pure-Python top-level stdlib modules, in a fixed order."""
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in SKIP_MODULES:
-            continue
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin and spec.origin.endswith(".py"):
-            yield name, Path(spec.origin).read_text(encoding="utf-8", errors="replace")
-
-
 def stdlib_functions(limit: int, max_lines: int = 40) -> list[tuple[str, str, str, str]]:
     """(module, signature, docstring summary, source) of public, documented top-level functions of at most
     `max_lines` lines."""
     found = []
-    for module, text in _stdlib_sources():
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            source = ast.get_source_segment(text, node)
-            if doc and source and source.count("\n") < max_lines:
-                signature = f"{node.name}({ast.unparse(node.args)})"
-                found.append((module, signature, _summary(doc), source))
-                if len(found) == limit:
-                    return found
+    for module, node, source in stdlib_definitions():
+        doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+        if doc and source.count("\n") < max_lines:
+            signature = f"{node.name}({ast.unparse(node.args)})"
+            found.append((module, signature, _summary(doc), source))
+            if len(found) == limit:
+                return found
+    return found
     return found
 
 

@@ -78,7 +78,7 @@ class ContinualPretrainArguments:
     )
     train_routers_only: bool = field(
         default=False,
-        metadata={"help": "train only the MLP routers (mlp.gate.*): BTX's MiX stage on a merged model"},
+        metadata={"help": "train only the MLP routers (mlp.gate.*): a router-only MiX stage on a merged model (BTX's own trains every weight)"},
     )
     teacher_model_name_or_path: str | None = field(
         default=None,

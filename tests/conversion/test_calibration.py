@@ -22,6 +22,21 @@ def test_builtin_corpus_is_the_default():
     assert description == f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
 
 
+def test_the_mixed_builtin_corpus_holds_three_kinds_from_the_start():
+    from llama_moe_hf.text.corpus import LICENCE_PHRASES, package_descriptions, stdlib_code, stdlib_docstrings
+
+    texts, description = load_texts("builtin:mixed")
+    assert description.startswith("built-in corpus mixed, three kinds in turn: ")
+    assert len(texts) > 500 and all(0 < len(text) <= 2000 for text in texts)
+    docstrings, code, readmes = stdlib_docstrings(), stdlib_code(), package_descriptions()
+    assert readmes, "every environment that runs this has installed distributions with READMEs"
+    assert texts[:3] == [docstrings[0][:2000], code[0][:2000], readmes[0][:2000]]
+    assert all(text.startswith(("def ", "class ")) for text in code)  # whole top-level definitions
+    assert not any(phrase in text for text in readmes for phrase in LICENCE_PHRASES)
+    with pytest.raises(ValueError, match="Unknown built-in corpus 'nope': choose one of docstrings, mixed"):
+        load_texts("builtin:nope")
+
+
 def _write(path, suffix):
     if suffix == ".txt":
         path.write_text(DOCS[0])

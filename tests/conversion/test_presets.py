@@ -92,7 +92,7 @@ def test_a_sparsity_preset_keeps_its_share_of_the_ffn_active(name):
 
 
 def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatch, capsys):
-    """`--help` reads the presets' quality and speed from one results file (benchmarks/results/presets.jsonl)."""
+    """`--help` reads the presets' quality, speed and tasks from one results file (benchmarks/results/presets.jsonl)."""
     from llama_moe_hf.conversion import recipe as recipe_module
 
     name = sparsity_presets()[0]
@@ -100,12 +100,14 @@ def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatc
         {"kind": "quality", "preset": name, "ratio": {"tutorial": 9.0}, "convert_seconds": 60},
         {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.5, "licences": 1.25}, "convert_seconds": 1200},
         {"kind": "speed", "preset": name, "runtime": "llama.cpp F16", "decode_ratio": 1.61},
+        {"kind": "tasks", "preset": name, "share": {"offline_continuation": 0.934, "llama_moe_arithmetic": 1.071}},
     ]
     results = tmp_path / "presets.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
     monkeypatch.setattr(recipe_module, "PRESET_RESULTS", results)
     expected = (
-        "perplexity vs dense: tutorial 1.50x, licences 1.25x; converted in 20 min; decodes 1.61x dense (llama.cpp F16)"
+        "perplexity vs dense: tutorial 1.50x, licences 1.25x; converted in 20 min; decodes 1.61x dense (llama.cpp F16); "
+        "task accuracy vs dense: offline_continuation 93%, llama_moe_arithmetic 107%"
     )
     assert recipe_module.preset_measurements() == {name: expected}
     assert main(["convert", "--help"]) == 0

@@ -113,7 +113,7 @@ def test_the_btx_recipe_files_parse():
 
     parser = TrlParser((ContinualPretrainArguments, TrainingArguments))
     args, training = parser.parse_args_and_config(["--config", str(RECIPES / "pretrain/btx-mix.yaml"), "--use_cpu"])
-    assert args.train_routers_only and not args.train_moe_only and training.max_steps == 30
+    assert not args.train_routers_only and not args.train_moe_only and training.max_steps == 120
     for domain in ("prose", "code", "math"):
         args, training = parser.parse_args_and_config(["--config", str(RECIPES / f"btx/branch-{domain}.yaml")])
         assert args.domains == [f"{domain}=data/offline/pretrain/{domain}/train.jsonl"] and training.max_steps == 40

@@ -1,4 +1,4 @@
-"""`trained`: Branch-Train-MiX's MiX stage inside a merge (arXiv:2403.07816). The router rows start as `expert_data`'s
+"""`trained`: a router-only Branch-Train-MiX MiX stage inside a merge (arXiv:2403.07816). The router rows start as `expert_data`'s
 (each expert model's mean hidden state over its own `data`); once the merged folder is written, the merge trains the
 routers alone on the mixture of the expert models' data with the continual pre-training recipe (`train_routers_only`,
 `merging/mix.py`, a floor above this one) and replaces the folder's router tensors, every other tensor left as the
@@ -21,7 +21,7 @@ class TrainedOptions:
 @ROUTER_INITS.register("trained")
 class TrainedRouter(ExpertDataRouter):
     description = (
-        "expert_data's rows, then Branch-Train-MiX's MiX stage: the routers alone trained on the mixture of the "
+        "expert_data's rows, then a router-only MiX stage (Branch-Train-MiX's trains every weight): the routers alone trained on the mixture of the "
         "expert models' data"
     )
     Options = TrainedOptions
