@@ -108,6 +108,9 @@ def main() -> None:
         scores = accuracies(folder, tasks)
         share = {task: round(scores[task]["acc"] / dense[task]["acc"], 3) for task in scores}
         row = {"kind": "tasks", "preset": Path(folder).name, "accuracy": scores, "dense": dense, "share": share}
+        row["calibration"] = json.loads((Path(folder) / "config.json").read_text())["conversion_info"][
+            "calibration_data"
+        ]
         print(json.dumps(row), flush=True)
         record("presets", row, RESULTS / "presets.jsonl")
 

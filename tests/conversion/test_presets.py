@@ -101,6 +101,7 @@ def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatc
         {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.5, "licences": 1.25}, "convert_seconds": 1200},
         {"kind": "speed", "preset": name, "runtime": "llama.cpp F16", "decode_ratio": 1.61},
         {"kind": "tasks", "preset": name, "share": {"offline_continuation": 0.934, "llama_moe_arithmetic": 1.071}},
+        {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.1}, "calibration": "local file mix.jsonl (9 docs)"},
     ]
     results = tmp_path / "presets.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
