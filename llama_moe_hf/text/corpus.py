@@ -7,7 +7,8 @@ top-level function or class at a time) and project descriptions in Markdown and 
 installed distribution but this package, from its metadata, so it depends on what is installed). Debian's licences
 and manual pages, the texts quality claims are confirmed on (`benchmarks/common.py`), are none of these; descriptions
 that carry a whole licence are left out. The code overlaps `llama-moe offline-data`'s pretrain/code split.
-Measured as calibration for the sparsity presets in docs/quality.md ("Calibration corpus"): the docstrings are better.
+Measured as calibration for the sparsity presets in docs/quality.md ("Calibration corpus and the levers"): the
+docstrings are better.
 """
 
 import ast
