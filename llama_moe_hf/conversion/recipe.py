@@ -152,14 +152,13 @@ def preset_path(name: str) -> Path:
 PRESET_RESULTS = _PACKAGE.parent / "benchmarks" / "results" / "presets.jsonl"
 
 
-DEFAULT_CALIBRATION = "built-in corpus: "  # how `conversion_info` names the default corpus (text/documents.py)
-
-
 def preset_measurements(path: Path | None = None) -> dict[str, str]:
     """{preset: one line of its latest measured figures}: perplexity as a ratio to the dense model per held-out text,
     the conversion's minutes, decoding speed against dense per runtime, and task accuracy as a share of the dense
     model's; {} without the results file. Rows of folders calibrated on other text than the default are left out."""
     import json
+
+    from ..text.corpus import DEFAULT_DESCRIPTION
 
     path = path or PRESET_RESULTS
     if not path.is_file():
@@ -167,7 +166,7 @@ def preset_measurements(path: Path | None = None) -> dict[str, str]:
     latest: dict[tuple, dict] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        if not row.get("calibration", DEFAULT_CALIBRATION).startswith(DEFAULT_CALIBRATION):
+        if not row.get("calibration", DEFAULT_DESCRIPTION).startswith(DEFAULT_DESCRIPTION):
             continue  # a variant converted on other text (`--calibration-data`), not the preset as it ships
         latest[(row["preset"], row["kind"], row.get("runtime"))] = row  # later lines win
     parts: dict[str, list[str]] = {}

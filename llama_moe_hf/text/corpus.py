@@ -32,6 +32,7 @@ LICENCE_PHRASES = (
     "TERMS AND CONDITIONS",
     "GNU GENERAL PUBLIC LICENSE",
 )
+DEFAULT_DESCRIPTION = "built-in corpus: "  # how the default corpus's description starts (`conversion_info`)
 DOCUMENT_CHARS = 2000  # each built-in document is cut here, so that no kind outweighs the others by its lengths
 
 
@@ -127,7 +128,7 @@ def builtin_corpus(name: str = "docstrings") -> tuple[list[str], str]:
 @functools.cache  # read once per process: conversions, their checks and tests ask for it again and again
 def _docstrings_corpus() -> tuple[tuple[str, ...], str]:
     texts = stdlib_docstrings()
-    return tuple(texts), f"built-in corpus: Python stdlib docstrings ({len(texts)} docs)"
+    return tuple(texts), f"{DEFAULT_DESCRIPTION}Python stdlib docstrings ({len(texts)} docs)"
 
 
 @functools.cache

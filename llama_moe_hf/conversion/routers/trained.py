@@ -1,6 +1,6 @@
-"""`trained`: a router-only Branch-Train-MiX MiX stage inside a merge (arXiv:2403.07816). The router rows start as `expert_data`'s
-(each expert model's mean hidden state over its own `data`); once the merged folder is written, the merge trains the
-routers alone on the mixture of the expert models' data with the continual pre-training recipe (`train_routers_only`,
+"""`trained`: a router-only Branch-Train-MiX MiX stage inside a merge (arXiv:2403.07816). The router rows start as
+`expert_data`'s (each expert model's mean hidden state over its own `data`); once the merged folder is written, the
+merge trains the routers alone on the mixture of the expert models' data with the continual pre-training recipe (`train_routers_only`,
 `merging/mix.py`, a floor above this one) and replaces the folder's router tensors, every other tensor left as the
 merge wrote it."""
 
@@ -21,8 +21,8 @@ class TrainedOptions:
 @ROUTER_INITS.register("trained")
 class TrainedRouter(ExpertDataRouter):
     description = (
-        "expert_data's rows, then a router-only MiX stage (Branch-Train-MiX's trains every weight): the routers alone trained on the mixture of the "
-        "expert models' data"
+        "expert_data's rows, then a router-only MiX stage (Branch-Train-MiX's trains every weight): the routers alone "
+        "trained on the mixture of the expert models' data"
     )
     Options = TrainedOptions
     mix_stage = True  # the merge trains these rows after writing (`merging.mix.train_routers`)
