@@ -1,7 +1,7 @@
 """A router-only Branch-Train-MiX MiX stage inside a merge (the `trained` gate): the routers of the merged folder
 alone trained on the mixture of the expert models' data with the continual pre-training recipe (`train_routers_only`),
-then the folder's router tensors replaced, every other tensor as the merge wrote it. It runs in the merge's temporary folder,
-so an interrupted MiX leaves nothing."""
+then the folder's router tensors replaced, every other tensor as the merge wrote it. It runs in the merge's temporary
+folder, so an interrupted MiX leaves nothing."""
 
 import tempfile
 from pathlib import Path
