@@ -1,8 +1,8 @@
 """`trained`: a router-only Branch-Train-MiX MiX stage inside a merge (arXiv:2403.07816). The router rows start as
 `expert_data`'s (each expert model's mean hidden state over its own `data`); once the merged folder is written, the
 merge trains the routers alone on the mixture of the expert models' data with the continual pre-training recipe
-(`train_routers_only`, `merging/mix.py`, a floor above this one) and replaces the folder's router tensors, every other tensor left as the
-merge wrote it."""
+(`train_routers_only`, `merging/mix.py`, a floor above this one) and replaces the folder's router tensors, every other
+tensor left as the merge wrote it."""
 
 from dataclasses import dataclass
 
