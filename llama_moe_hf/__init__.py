@@ -10,7 +10,7 @@ import importlib
 import importlib.abc
 import sys
 
-__version__ = "0.4.0"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/package/test_structure.py)
+__version__ = "0.4.1"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/package/test_structure.py)
 
 _EXPORTS = {
     "AttnMoEConfig": "llama_moe_hf.modeling",

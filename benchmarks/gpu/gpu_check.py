@@ -106,11 +106,10 @@ def check_family(family, dense, input_ids, args, report):
 
 
 def check_generation(family, model, prompt, args, report):
-    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     dynamic = model.generate(prompt, **kwargs)
     static = model.generate(prompt, cache_implementation="static", **kwargs)
-    same = torch.equal(dynamic, static)
-    report.append((f"{family}: static cache greedy tokens", "equal" if same else "DIFFERENT", same))
+    report.append((f"{family}: static cache greedy tokens", *same_greedy_tokens(dynamic, static, prompt.shape[1])))
     if args.skip_compile:
         return
     caches = [StaticCache(config=model.config, max_cache_len=64) for _ in range(2)]
@@ -121,6 +120,21 @@ def check_generation(family, model, prompt, args, report):
     compiled = torch.compile(model.forward, fullgraph=True)
     actual = compiled(input_ids=step, cache=caches[1], use_cache=True).logits
     compare(f"{family}: compiled decoding step", actual, expected, report)
+
+
+def same_greedy_tokens(reference, other, prompt_length: int) -> tuple[str, bool]:
+    """Equal tokens, or equal up to a step where the reference's top two logits were within two bf16 rounding steps:
+    random weights have such near-ties (the bf16 LlamaMoE check on a CPU parted at one, one step apart, and was equal
+    in float32), where a wrong kernel parts at a clear choice."""
+    first, second = reference.sequences[0, prompt_length:], other.sequences[0, prompt_length:]
+    parted = (first != second).nonzero()
+    if not len(parted):
+        return "equal", True
+    step = parted[0].item()
+    top, runner_up = reference.scores[step][0].float().topk(2).values.tolist()
+    near_tie = top - runner_up <= 2 * torch.finfo(torch.bfloat16).eps * max(abs(top), 1.0)
+    verdict = "a near-tie" if near_tie else "DIFFERENT"
+    return f"equal until step {step}, then {verdict} (top-2 logit margin {top - runner_up:.2g})", near_tie
 
 
 @torch.no_grad()

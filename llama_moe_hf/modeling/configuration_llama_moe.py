@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING, LlamaConfig
 # `llama-moe info` tells a folder whose copy is older than the installed package's (`llama-moe upgrade` replaces it),
 # and the copy refuses, in one line, a transformers outside the range instead of generating garbage. setup.py reads
 # both from here; CI tests the lowest and the newest release of the range (TRANSFORMERS_TESTED).
-LLAMA_MOE_VERSION = "0.4.0"
+LLAMA_MOE_VERSION = "0.4.1"
 TRANSFORMERS_REQUIREMENT = ">=5.23,<6"
 TRANSFORMERS_TESTED = ("5.23.0", "5.24.0")
 
