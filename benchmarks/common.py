@@ -137,6 +137,11 @@ def chunk_perplexity(model, chunks, batch_size: int = 4) -> float:
     return perplexities(model, {"chunks": chunks.flatten()}, batch_size, chunks.shape[-1])["chunks"]
 
 
+def recorded_calibration(model) -> str | None:
+    """The calibration text a converted model's conversion recorded (None for a dense model)."""
+    return (getattr(model.config, "conversion_info", None) or {}).get("calibration_data")
+
+
 def report(label: str, result: dict, dense: dict) -> str:
     """One line: each text's perplexity and its ratio to the dense model's."""
     return f"{label}: " + ", ".join(f"{n} {result[n]:.3f} ({result[n] / dense[n]:.3f}x dense)" for n in result)

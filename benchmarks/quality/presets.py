@@ -19,7 +19,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import OTHER_DOMAINS, RESULTS, TEXTS, heldout_tokens, perplexities, record, report
+from benchmarks.common import (
+    OTHER_DOMAINS,
+    RESULTS,
+    TEXTS,
+    heldout_tokens,
+    perplexities,
+    record,
+    recorded_calibration,
+    report,
+)
 from llama_moe_hf.commands import main as llama_moe
 from llama_moe_hf.loading import load_model
 
@@ -50,11 +59,11 @@ def main() -> None:
         tokens = heldout_tokens(tokenizer, texts=tuple(args.texts))
         reference = perplexities(dense, tokens)
         model, _, _ = load_model(str(args.root / name), dtype="float32", device="cpu")
-        calibration = (getattr(model.config, "conversion_info", None) or {}).get("calibration_data")
         result = perplexities(model, tokens)
         print(report(name, result, reference), flush=True)
         row = {"kind": "quality", "preset": name, "convert_seconds": seconds and round(seconds, 1)}
-        row |= {"threads": args.threads, "perplexity": result, "dense": reference, "calibration": calibration}
+        row |= {"threads": args.threads, "perplexity": result, "dense": reference}
+        row["calibration"] = recorded_calibration(model)
         row["ratio"] = {text: round(result[text] / reference[text], 3) for text in result}
         print(json.dumps(row), flush=True)
         record("presets", row, PRESETS_FILE)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
-from benchmarks.common import RESULTS, ROOT, record
+from benchmarks.common import RESULTS, ROOT, record, recorded_calibration
 
 TASKS = ROOT / "data" / "tasks"
 CONTEXT_WORDS, ANSWER_WORDS, ITEMS_PER_KIND = 48, 12, 150
@@ -79,7 +79,8 @@ def write_task() -> dict:
     }
 
 
-def accuracies(folder: str, tasks: list) -> dict:
+def accuracies(folder: str, tasks: list) -> tuple[dict, str | None]:
+    """Each task's accuracies, and the calibration text the folder's conversion recorded (None for dense)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -88,7 +89,8 @@ def accuracies(folder: str, tasks: list) -> dict:
     model, tokenizer, _ = load_model(folder, dtype="float32", device="cpu")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=16, backend="causal")
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=False)["results"]
-    return {task: {m.split(",")[0]: v for m, v in r.items() if m.startswith("acc")} for task, r in results.items()}
+    scores = {task: {m.split(",")[0]: v for m, v in r.items() if m.startswith("acc")} for task, r in results.items()}
+    return scores, recorded_calibration(model)
 
 
 def main() -> None:
@@ -102,15 +104,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tasks = [write_task(), *local_tasks().values()]
-    dense = accuracies("default", tasks)
+    dense, _ = accuracies("default", tasks)
     print("dense", json.dumps(dense), flush=True)
     for folder in args.models:
-        scores = accuracies(folder, tasks)
+        scores, calibration = accuracies(folder, tasks)
         share = {task: round(scores[task]["acc"] / dense[task]["acc"], 3) for task in scores}
         row = {"kind": "tasks", "preset": Path(folder).name, "accuracy": scores, "dense": dense, "share": share}
-        row["calibration"] = json.loads((Path(folder) / "config.json").read_text())["conversion_info"][
-            "calibration_data"
-        ]
+        row["calibration"] = calibration
         print(json.dumps(row), flush=True)
         record("presets", row, RESULTS / "presets.jsonl")
 
