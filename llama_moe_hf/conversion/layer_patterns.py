@@ -1,7 +1,7 @@
 """Which decoder layers get experts: `--moe-layers` patterns.
 
-Terms, comma-separated (or a list of terms), their union is taken: `5` (one layer), `0-7` (inclusive range),
-`first:N`, `last:N`, `every:K` (0, K, 2K, ...), `every:K:OFFSET` (OFFSET, OFFSET + K, ...), `all`. Negative
+Terms, separated by commas or spaces (or a list of terms), their union is taken: `5` (one layer), `0-7` (inclusive
+range), `first:N`, `last:N`, `every:K` (0, K, 2K, ...), `every:K:OFFSET` (OFFSET, OFFSET + K, ...), `all`. Negative
 indices are not accepted; use `last:N`. No pattern (None) means every layer.
 """
 
@@ -13,7 +13,8 @@ _LAYER_TERM = re.compile(r"(all)|(\d+)|(\d+)-(\d+)|(first|last):(\d+)|every:(\d+
 def layer_terms(spec: str | list[str] | None) -> list[tuple[str, re.Match]]:
     """(term, match) for each term of a pattern; one ValueError for a badly written term (no layer count needed)."""
     parts = [] if spec is None else spec if isinstance(spec, list) else [spec]
-    terms = [term for part in parts for term in str(part).replace(" ", "").split(",") if term]
+    # commas or spaces between terms: '0 2 5' is three layers (it once read as layer 25)
+    terms = [term for part in parts for term in re.split(r"[,\s]+", str(part)) if term]
     matches = []
     for term in terms:
         match = _LAYER_TERM.fullmatch(term)

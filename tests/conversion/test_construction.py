@@ -199,6 +199,8 @@ def test_bad_split_files(tmp_path):
         ("every:2", [0, 2, 4, 6]),
         ("every:3:1", [1, 4, 7]),
         ("1,1,0-1", [0, 1]),
+        ("0 2 5", [0, 2, 5]),  # as --help writes it (read as layer 25 until 0.4.1)
+        (["0", "2-3", "last:1"], [0, 2, 3, 7]),  # `--moe-layers 0 2-3 last:1`
     ],
 )
 def test_parse_moe_layers(spec, expected):
