@@ -127,10 +127,11 @@ def same_greedy_tokens(reference, other, prompt_length: int) -> tuple[str, bool]
     random weights have such near-ties (the bf16 LlamaMoE check on a CPU parted at one, one step apart, and was equal
     in float32), where a wrong kernel parts at a clear choice."""
     first, second = reference.sequences[0, prompt_length:], other.sequences[0, prompt_length:]
-    parted = (first != second).nonzero()
-    if not len(parted):
+    length = min(len(first), len(second))  # one may stop early at an end-of-text token
+    parted = (first[:length] != second[:length]).nonzero()
+    if not len(parted) and len(first) == len(second):
         return "equal", True
-    step = parted[0].item()
+    step = parted[0].item() if len(parted) else length - 1
     top, runner_up = reference.scores[step][0].float().topk(2).values.tolist()
     near_tie = top - runner_up <= 2 * torch.finfo(torch.bfloat16).eps * max(abs(top), 1.0)
     verdict = "a near-tie" if near_tie else "DIFFERENT"

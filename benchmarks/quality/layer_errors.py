@@ -13,12 +13,8 @@ them only before the first MoE layer.
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from llama_moe_hf.loading import load_model
 from llama_moe_hf.text.corpus import builtin_corpus
@@ -26,7 +22,7 @@ from llama_moe_hf.text.corpus import builtin_corpus
 
 def active_share(config) -> float:
     """The share of the dense FFN's neurons one token runs through in a converted MoE layer."""
-    shared = getattr(config, "num_shared_experts", 0) and config.shared_expert_intermediate_size
+    shared = getattr(config, "num_shared_experts", 0) * (config.shared_expert_intermediate_size or 0)
     return (config.num_experts_per_tok * config.moe_intermediate_size + shared) / config.intermediate_size
 
 

@@ -381,8 +381,9 @@ class AttnMoEForCausalLM(AttnMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """`generate` compiles only on a CPU (where it asks to): compiled for an H200, the decoding step gave wrong
-        logits from the third layer on (relative error 0.41, top-1 agreement 0), with sdpa's fused kernel, its math
-        backend or eager attention alike, so a static cache there decodes eagerly (docs/benchmarks.md)."""
+        logits from the third layer on (relative error 0.41, top-1 agreement 0), with sdpa's fused kernel, with its
+        math backend chosen inside the graph, or with eager attention on sdpa's mask, so a static cache there decodes
+        eagerly (docs/benchmarks.md)."""
         return self.device.type == "cpu" and super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
 

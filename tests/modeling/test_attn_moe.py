@@ -13,7 +13,7 @@ from llama_moe_hf.commands import main
 from llama_moe_hf.conversion.attention_fit import expert_output_norms, fit_attention_router
 from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling import modeling_attn_moe
-from llama_moe_hf.modeling.cache_compat import output_cache
+from llama_moe_hf.modeling.cache_compat import CACHE_ARG, output_cache
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from llama_moe_hf.modeling.router_losses import router_z_loss_func
 from llama_moe_hf.source_families import dense_config_fields
@@ -357,11 +357,11 @@ def test_generate_compiles_attn_moe_only_on_a_cpu(monkeypatch):
     cache = StaticCache(config=model.config, max_cache_len=16)
     config = GenerationConfig(compile_config=CompileConfig())
     config.compile_config._compile_all_devices = True  # how generate is made to compile on a CPU
-    assert model._valid_auto_compile_criteria({"cache": cache}, config)
-    assert not model._valid_auto_compile_criteria({"cache": cache}, GenerationConfig())  # not asked
+    assert model._valid_auto_compile_criteria({CACHE_ARG: cache}, config)
+    assert not model._valid_auto_compile_criteria({CACHE_ARG: cache}, GenerationConfig())  # not asked
     monkeypatch.setattr(AttnMoEForCausalLM, "device", property(lambda self: torch.device("cuda")))
-    assert not model._valid_auto_compile_criteria({"cache": cache}, config)
-    assert not model._valid_auto_compile_criteria({"cache": cache}, GenerationConfig())
+    assert not model._valid_auto_compile_criteria({CACHE_ARG: cache}, config)
+    assert not model._valid_auto_compile_criteria({CACHE_ARG: cache}, GenerationConfig())
 
 
 # ---------------------------------------------------------------------------------------------------------------
