@@ -64,4 +64,10 @@ def build_moe(
     if set(missing) - {"lm_head.weight"} or ("lm_head.weight" in missing) != plan.config.tie_word_embeddings:
         raise RuntimeError(f"The built model lacks {missing}.")
     model.tie_weights()
+    if plan.recipe.joint_heal_tokens:
+        from .healing.joint import heal_jointly
+
+        tokens = context.tokens(plan.recipe.joint_heal_tokens)
+        info = heal_jointly(model, dense_model, tokens, plan.recipe.joint_heal_lr, progress=progress)
+        model.config.conversion_info = {**model.config.conversion_info, "joint_healing": info}
     return model.eval()

@@ -96,6 +96,10 @@ def _settings_rows(plan, source) -> str:
         ("Source", f"`{public(source.description)}`"),
         ("Source family", _source_family_text(plan.config)),
     ]
+    joint = (plan.config.conversion_info or {}).get("joint_healing")
+    if joint:
+        text = "{tokens:,} calibration tokens, next-token KL to the dense model {kl_first_steps} -> {kl_last_steps}"
+        settings.append(("All layers healed jointly", text.format(**joint)))
     return "\n".join(f"| {name} | {value} |" for name, value in settings)
 
 

@@ -2,8 +2,8 @@
 
     recipe + run options -> resolve (before the source is opened) -> open the source -> plan -> calibration context
         -> every calibration pass, then the dense model is freed -> tensors streamed into shards -> config, code,
-        tokenizer, recipe -> quick perplexity check against the dense model -> card -> the temporary folder
-        replaces the output
+        tokenizer -> [every layer healed jointly against the dense model, the weights written again] -> recipe ->
+        quick perplexity check against the dense model -> card -> the temporary folder replaces the output
 
 A failed or interrupted conversion leaves nothing behind and never touches its source.
 """
@@ -128,6 +128,8 @@ def _write(plan, source, context, output: Path, card_sections=None) -> Conversio
     run = plan.run
     with atomic_folder(output) as tmp:
         total, active = write_checkpoint(plan, source, context, tmp)
+        if plan.recipe.joint_heal_tokens:
+            heal_written_jointly(plan, source, context, tmp)
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
         save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
         quality = quality_check(tmp, source, run, total)
@@ -135,6 +137,29 @@ def _write(plan, source, context, output: Path, card_sections=None) -> Conversio
         write_model_card(tmp, plan, source, total, active, quality, extra)
         files = sorted(p.name for p in tmp.iterdir())
     return ConversionResult(output, total, active, files, plan.recipe, quality=quality)
+
+
+def heal_written_jointly(plan, source, context, folder: Path) -> None:
+    """`--joint-heal-tokens`: the written folder trained as a whole against the dense model (`healing.joint`); its
+    config records what that did (`conversion_info["joint_healing"]`)."""
+    import torch
+
+    from .healing.joint import heal_folder_jointly
+
+    recipe, run = plan.recipe, plan.run
+    device = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    info = heal_folder_jointly(
+        folder,
+        source.load_model(torch.float32, device),
+        context.tokens(recipe.joint_heal_tokens),
+        recipe.joint_heal_lr,
+        dtype=plan.config.dtype,
+        max_shard_size=run.max_shard_size,
+        device=device,
+        progress=run.progress,
+    )
+    plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing": info}
+    plan.config.save_pretrained(folder)
 
 
 def quality_check(folder: Path, source, run: RunOptions, total: int):

@@ -126,6 +126,14 @@ class RecipeFields:
         default=0.1,
         metadata={"help": "healing: weight of the term that ranks the router's experts by what leaving them out costs"},
     )
+    joint_heal_tokens: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "after the layer-wise heal, train every layer together on this many calibration tokens to match "
+            "the dense model's next-token distributions (distillation; 0: off; docs/quality.md)"
+        },
+    )
+    joint_heal_lr: float = dataclasses.field(default=2e-4, metadata={"help": "joint healing: AdamW learning rate"})
 
     def check(self) -> None:
         """One ValueError for the first impossible value among these fields (types, ranges, choices)."""
@@ -148,6 +156,13 @@ class RecipeFields:
         self._check_healing()
 
     def _check_healing(self) -> None:
+        if self.joint_heal_tokens and self.joint_heal_tokens < self.calibration_seq_len:
+            raise ValueError(
+                f"--joint-heal-tokens ({self.joint_heal_tokens}) must be 0 or at least one calibration sequence "
+                f"({self.calibration_seq_len} tokens)."
+            )
+        if self.joint_heal_lr <= 0:
+            raise ValueError(f"--joint-heal-lr must be > 0, got {self.joint_heal_lr}.")
         if self.heal_tokens < 0:
             raise ValueError(f"--heal-tokens must be >= 0, got {self.heal_tokens}.")
         if not self.heal_tokens:

@@ -3,6 +3,8 @@
     layer.py    LayerHealer: heals one decoder layer's MoE MLP at a time, carrying the calibration states; its
                 settings (HealSettings, the recipe's `heal_*` fields) and its resumable progress (state_dir_for)
     folder.py   heal_folder / HealOptions: `llama-moe heal`, an MoE folder healed into a new folder
+    joint.py    heal_jointly: after the layer-wise pass, every layer trained together against the dense model's
+                next-token distributions (`--joint-heal-tokens`)
 
 `llama-moe convert --heal-tokens N` heals while converting (`plan.ConversionPlan` drives the LayerHealer); `llama-moe
 heal` heals a folder already written. Light to import: `layer` (torch) loads on first use of its names.

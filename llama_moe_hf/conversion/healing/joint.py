@@ -1,0 +1,128 @@
+"""Joint healing: after the layer-wise pass (`layer.LayerHealer`), every layer of the converted model trained at once to
+reproduce the dense model's next-token distributions on the calibration tokens (`--joint-heal-tokens`).
+
+The layer-wise heal fits each MoE MLP to the dense hidden states alone, so errors that add up across layers stay; this
+stage pays for them once. It is `recipes/pretrain/joint-heal.yaml` run inside the conversion, with that recipe's
+settings: half LM loss, half KL to the dense model (temperature 1), the routers' balance loss at 0.01, batches of 4
+sequences, AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), a tenth of the steps of warm-up, then cosine to a
+tenth of the learning rate, gradients clipped at 1 (measurements: docs/quality.md, "Calibration corpus and the levers").
+
+    heal_jointly(student, teacher, input_ids, lr)    trains a model in memory (`build_moe`)
+    heal_folder_jointly(folder, teacher, ...)        the same for a written folder (`llama-moe convert`)
+"""
+
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BATCH_SEQUENCES = 4
+KL_WEIGHT = 0.5  # the LM loss has the rest
+ROUTER_AUX_LOSS_COEF = 0.01
+WARMUP_SHARE = 0.1
+MIN_LR_RATE = 0.1
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+MAX_GRAD_NORM = 1.0
+
+
+def heal_jointly(student, teacher, input_ids: torch.Tensor, lr: float, progress: bool = True) -> dict:
+    """Train `student` (an MoE causal LM, in place; left in eval mode) towards `teacher` (its dense model) on
+    `input_ids` (`[B, S]` calibration sequences, one pass). Returns what `conversion_info["joint_healing"]` records:
+    tokens, steps, learning rate, the KL to the dense model over the first and the last tenth of the steps, seconds."""
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    batches = input_ids.split(BATCH_SEQUENCES)
+    device = next(student.parameters()).device
+    optimizer = torch.optim.AdamW(parameter_groups(student), lr=lr, betas=BETAS)
+    warmup = max(1, round(WARMUP_SHARE * len(batches)))
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, len(batches), min_lr_rate=MIN_LR_RATE)
+    teacher.eval()
+    student.train()
+    kls, start = [], time.perf_counter()
+    try:
+        for batch in tqdm(batches, desc="Healing all layers jointly", unit="step", disable=not progress):
+            loss, kl = distillation_loss(student, teacher, batch.to(device))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            kls.append(kl)
+    finally:
+        student.eval()
+    tenth = max(1, len(kls) // 10)
+    info = {
+        "tokens": input_ids.numel(),
+        "steps": len(batches),
+        "lr": lr,
+        "kl_first_steps": round(sum(kls[:tenth]) / tenth, 4) + 0.0,  # + 0.0: never -0.0
+        "kl_last_steps": round(sum(kls[-tenth:]) / tenth, 4) + 0.0,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    logger.info("Joint healing: KL to the dense model %(kl_first_steps)s -> %(kl_last_steps)s.", info)
+    return info
+
+
+def parameter_groups(model) -> list[dict]:
+    """Weight decay on matrices only (not on norms and biases), as transformers' Trainer decays."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def distillation_loss(student, teacher, input_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(loss, mean KL per position): `(1 - w) * (LM loss + the router losses) + w * (balance loss + KL)`, `w` =
+    KL_WEIGHT, so the router terms keep their full weight (as `training.distill.Distiller` weighs them)."""
+    coef = getattr(student.config, "router_aux_loss_coef", 0.0)
+    student.config.router_aux_loss_coef = ROUTER_AUX_LOSS_COEF
+    try:
+        outputs = student(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
+    finally:
+        student.config.router_aux_loss_coef = coef
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    log_student = F.log_softmax(outputs.logits[:, :-1].float(), dim=-1)
+    log_teacher = F.log_softmax(teacher_logits, dim=-1)
+    kl = F.kl_div(log_student, log_teacher, reduction="none", log_target=True).sum(-1).mean()
+    aux = getattr(outputs, "aux_loss", None)
+    aux = 0.0 if aux is None else aux
+    loss = (1 - KL_WEIGHT) * outputs.loss + KL_WEIGHT * (ROUTER_AUX_LOSS_COEF * aux + kl)
+    return loss, kl.item()
+
+
+def heal_folder_jointly(
+    folder, teacher, input_ids: torch.Tensor, lr: float, *, dtype, max_shard_size, device=None, progress: bool = True
+) -> dict:
+    """`heal_jointly` on the MoE folder `folder`, loaded in float32 on `device`; its weights are written again in
+    `dtype` (shards of `max_shard_size`), into a sibling folder first and then moved over the old files, which the
+    loaded model may still map. Returns the info; the caller records it in the config."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ...checkpoints.writer import ShardedWriter, read_shapes
+
+    folder, device = Path(folder), device or "cpu"
+    student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    info = heal_jointly(student, teacher.to(device, torch.float32), input_ids, lr, progress)
+    shapes, state = read_shapes(folder), student.state_dict()
+    staging = folder / ".joint-heal"
+    staging.mkdir()
+    try:
+        writer = ShardedWriter(staging, shapes, dtype, max_shard_size)
+        for name in shapes:
+            writer.add(name, state[name])
+        for file in writer.close(total_parameters=sum(math.prod(shape) for shape in shapes.values())):
+            (staging / file).replace(folder / file)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return info

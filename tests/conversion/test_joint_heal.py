@@ -1,0 +1,72 @@
+"""Joint healing (`--joint-heal-tokens N`): after the layer-wise pass, every layer trained together against the dense
+model's next-token distributions. Closer to the dense model, recorded in the config, the recipe and the card, written
+in place of the weights (nothing left beside them), the same model as built in memory, and checked settings."""
+
+import pytest
+import torch
+from helpers import load_moe, logits
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llama_moe_hf import build_moe, convert_to_moe
+from llama_moe_hf.checkpoints.writer import read_shapes
+from llama_moe_hf.conversion.healing.joint import distillation_loss
+from llama_moe_hf.text.corpus import stdlib_docstrings
+
+SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
+JOINT = dict(joint_heal_tokens=8192, joint_heal_lr=3e-3)  # 32 sequences of 256: 8 steps
+
+
+def objective(folder, tiny_dense) -> float:
+    """What joint healing minimises (LM loss and KL to the dense model, `healing.joint.distillation_loss`), on
+    calibration-like text the conversion did not train on."""
+    text = stdlib_docstrings()[40]
+    input_ids = AutoTokenizer.from_pretrained(tiny_dense[0])(text, return_tensors="pt").input_ids[:, :256]
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dense[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        return distillation_loss(load_moe(folder), dense, input_ids)[0].item()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_dense):
+    root = tmp_path_factory.mktemp("joint")
+    plain = convert_to_moe(tiny_dense[0], root / "plain", progress=False, eval=False, **SPLIT)
+    healed = convert_to_moe(tiny_dense[0], root / "healed", progress=False, eval=False, **SPLIT, **JOINT)
+    return plain.output_dir, healed.output_dir
+
+
+def test_joint_healing_brings_the_model_closer_to_the_dense_one(converted, tiny_dense):
+    plain, healed = converted
+    assert objective(healed, tiny_dense) < 0.9 * objective(plain, tiny_dense)
+    info = load_moe(healed).config.conversion_info["joint_healing"]
+    assert info["tokens"] == 8192 and info["steps"] == 8 and info["lr"] == 3e-3
+
+
+def test_joint_healing_rewrites_the_weights_in_place_and_says_so(converted):
+    plain, healed = converted
+    assert read_shapes(healed) == read_shapes(plain)
+    assert sorted(p.name for p in healed.iterdir()) == sorted(p.name for p in plain.iterdir())  # no staging folder
+    assert "joint_heal_tokens: 8192" in (healed / "moe_recipe.yaml").read_text()
+    assert "| All layers healed jointly | 8,192 calibration tokens" in (healed / "README.md").read_text()
+
+
+def test_build_moe_heals_jointly_as_the_conversion_does(converted, tiny_dense):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dense[0], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dense[0])
+    built = build_moe(dense, tokenizer=tokenizer, **SPLIT, **JOINT)
+    assert not built.training
+    written = load_moe(converted[1])
+    torch.testing.assert_close(logits(built, tiny_dense[1]), logits(written, tiny_dense[1]), rtol=1e-4, atol=1e-4)
+    assert built.config.conversion_info["joint_healing"]["steps"] == 8
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(joint_heal_tokens=100), "--joint-heal-tokens"),
+        (dict(joint_heal_tokens=-256), "--joint-heal-tokens"),
+        (dict(joint_heal_tokens=256, joint_heal_lr=0.0), "--joint-heal-lr"),
+    ],
+)
+def test_joint_heal_settings_are_checked_before_the_source_is_read(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        convert_to_moe(tmp_path / "no-such-model", tmp_path / "out", progress=False, **SPLIT, **fields)
