@@ -2,6 +2,8 @@
 model's next-token distributions. Closer to the dense model, recorded in the config, the recipe and the card, written
 in place of the weights (nothing left beside them), the same model as built in memory, and checked settings."""
 
+import json
+
 import pytest
 import torch
 from helpers import load_moe, logits
@@ -47,6 +49,18 @@ def test_joint_healing_rewrites_the_weights_in_place_and_says_so(converted):
     assert sorted(p.name for p in healed.iterdir()) == sorted(p.name for p in plain.iterdir())  # no staging folder
     assert "joint_heal_tokens: 8192" in (healed / "moe_recipe.yaml").read_text()
     assert "| All layers healed jointly | 8,192 calibration tokens" in (healed / "README.md").read_text()
+
+
+def test_joint_healing_of_a_sharded_folder_leaves_exactly_its_shards(converted, tmp_path, tiny_dense):
+    result = convert_to_moe(
+        tiny_dense[0], tmp_path / "sharded", progress=False, eval=False, max_shard_size="100KB", **SPLIT, **JOINT
+    )
+    index = json.loads((result.output_dir / "model.safetensors.index.json").read_text())
+    shards = {p.name for p in result.output_dir.glob("model-*.safetensors")}
+    assert len(shards) > 1 and shards == set(index["weight_map"].values())
+    torch.testing.assert_close(
+        logits(load_moe(result.output_dir), tiny_dense[1]), logits(load_moe(converted[1]), tiny_dense[1])
+    )
 
 
 def test_build_moe_heals_jointly_as_the_conversion_does(converted, tiny_dense):

@@ -121,7 +121,11 @@ def heal_folder_jointly(
         writer = ShardedWriter(staging, shapes, dtype, max_shard_size)
         for name in shapes:
             writer.add(name, state[name])
-        for file in writer.close(total_parameters=sum(math.prod(shape) for shape in shapes.values())):
+        files = writer.close(total_parameters=sum(math.prod(shape) for shape in shapes.values()))
+        for stale in folder.glob("model*.safetensors*"):  # shards may be cut elsewhere: no old file stays
+            if stale.name not in files:
+                stale.unlink()
+        for file in files:
             (staging / file).replace(folder / file)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
