@@ -31,6 +31,7 @@ def build_moe(
 
     from ..checkpoints import ModelSource
     from .calibration import CalibrationContext
+    from .healing.joint import heal_built_model
     from .plan import ConversionPlan
 
     recipe, run_fields = (recipe or MoERecipe()).with_fields(fields)
@@ -64,10 +65,5 @@ def build_moe(
     if set(missing) - {"lm_head.weight"} or ("lm_head.weight" in missing) != plan.config.tie_word_embeddings:
         raise RuntimeError(f"The built model lacks {missing}.")
     model.tie_weights()
-    if plan.recipe.joint_heal_tokens:
-        from .healing.joint import heal_jointly
-
-        tokens = context.tokens(plan.recipe.joint_heal_tokens)
-        info = heal_jointly(model, dense_model, tokens, plan.recipe.joint_heal_lr, progress=progress)
-        model.config.conversion_info = {**model.config.conversion_info, "joint_healing": info}
+    heal_built_model(model, dense_model, context, plan.recipe, progress)  # where the recipe asks for it
     return model.eval()

@@ -7,7 +7,7 @@ settings: half LM loss, half KL to the dense model (temperature 1), the routers'
 sequences, AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), a tenth of the steps of warm-up, then cosine to a
 tenth of the learning rate, gradients clipped at 1 (measurements: docs/quality.md, "Calibration corpus and the levers").
 
-    heal_jointly(student, teacher, input_ids, lr)    trains a model in memory (`build_moe`)
+    heal_jointly(student, teacher, input_ids, lr)    trains a model in memory (`build_moe`: heal_built_model)
     heal_folder_jointly(folder, teacher, ...)        the same for a written folder (`llama-moe convert`)
 """
 
@@ -67,6 +67,16 @@ def heal_jointly(student, teacher, input_ids: torch.Tensor, lr: float, progress:
     }
     logger.info("Joint healing: KL to the dense model %(kl_first_steps)s -> %(kl_last_steps)s.", info)
     return info
+
+
+def heal_built_model(model, dense_model, context, recipe, progress: bool = False) -> None:
+    """`build_moe`'s joint stage, where `recipe` asks for one (`joint_heal_tokens`): `heal_jointly` on the calibration
+    context's tokens, recorded in the model's `conversion_info`."""
+    if not recipe.joint_heal_tokens:
+        return
+    tokens = context.tokens(recipe.joint_heal_tokens)
+    info = heal_jointly(model, dense_model, tokens, recipe.joint_heal_lr, progress=progress)
+    model.config.conversion_info = {**model.config.conversion_info, "joint_healing": info}
 
 
 def parameter_groups(model) -> list[dict]:
