@@ -144,14 +144,14 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
     config records what that did (`conversion_info["joint_healing"]`)."""
     import torch
 
-    from .healing.joint import heal_folder_jointly
+    from .healing.joint import heal_folder_jointly, joint_heal_tokens
 
     recipe, run = plan.recipe, plan.run
     device = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
     info = heal_folder_jointly(
         folder,
         source.load_model(torch.float32, device),
-        context.tokens(recipe.joint_heal_tokens),
+        joint_heal_tokens(context, recipe),
         recipe.joint_heal_lr,
         dtype=plan.config.dtype,
         max_shard_size=run.max_shard_size,

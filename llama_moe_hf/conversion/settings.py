@@ -129,8 +129,9 @@ class RecipeFields:
     joint_heal_tokens: int = dataclasses.field(
         default=0,
         metadata={
-            "help": "after the layer-wise heal, train every layer together on this many calibration tokens to match "
-            "the dense model's next-token distributions (distillation; 0: off; docs/quality.md)"
+            "help": "after the layer-wise heal, train every layer together on this many calibration tokens (those "
+            "after the --heal-tokens) to match the dense model's next-token distributions (distillation; 0: off; "
+            "docs/construction.md)"
         },
     )
     joint_heal_lr: float = dataclasses.field(default=2e-4, metadata={"help": "joint healing: AdamW learning rate"})

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoints.writer import check_weights
+from ..distillation import distillation_kl
 from ..preflight import check_training
 from .lora import check_lora
 from .resume import check_resume
@@ -163,31 +164,6 @@ def teacher_name(spec: str) -> str:
     if spec == DEFAULT_MODEL:
         return f"{DEFAULT_MODEL_HUB_ID} (built-in default)"
     return Path(spec).name if Path(spec).expanduser().exists() else spec
-
-
-def distillation_kl(student_logits, teacher_logits, temperature: float = 1.0, top_k: int | None = None):
-    """Per-position KL(teacher || student) of the softmax at `temperature`: [..., V] logits -> [...].
-
-    With `top_k`, the KL of the two distributions coarsened to the teacher's k most likely tokens plus one bucket for
-    the rest of each one's mass. Unlike renormalising over the k tokens, the bucket still penalises the student for
-    mass it puts elsewhere; it is a lower bound of the full KL, equal to it at k = V. What the loss keeps for the
-    backward pass from the teacher is k + 1 probabilities per position instead of V."""
-    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    teacher_logits = teacher_logits.float() / temperature
-    if top_k is None or top_k >= teacher_logits.shape[-1]:
-        return F.kl_div(student, F.log_softmax(teacher_logits, dim=-1), reduction="none", log_target=True).sum(-1)
-    with torch.no_grad():
-        values, index = teacher_logits.topk(top_k, dim=-1)
-        normaliser = teacher_logits.logsumexp(-1, keepdim=True)
-        teacher_top = values - normaliser
-        # The rest's mass from the logits outside the top k (not 1 - sum, which cancels).
-        teacher_rest = (teacher_logits.scatter(-1, index, -torch.inf).logsumexp(-1) - normaliser[..., 0]).exp()
-    student_top = student.gather(-1, index)
-    # log of the student's rest from the logits outside the top k, not log(1 - sum): that cancels (and its gradient
-    # blows up) when the top k hold nearly all the mass.
-    student_rest = student.scatter(-1, index, -torch.inf).logsumexp(-1)
-    kl = (teacher_top.exp() * (teacher_top - student_top)).sum(-1)
-    return kl + torch.xlogy(teacher_rest, teacher_rest) - teacher_rest * student_rest
 
 
 def hidden_distance(student_states, teacher_states, layers, kind: str = "cosine"):

@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf import build_moe, convert_to_moe
 from llama_moe_hf.checkpoints.writer import read_shapes
-from llama_moe_hf.conversion.healing.joint import distillation_loss
+from llama_moe_hf.conversion.calibration import CalibrationContext
+from llama_moe_hf.conversion.healing.joint import distillation_loss, joint_heal_tokens
+from llama_moe_hf.conversion.recipe import MoERecipe
 from llama_moe_hf.text.corpus import stdlib_docstrings
 
 SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
@@ -84,3 +86,14 @@ def test_build_moe_heals_jointly_as_the_conversion_does(converted, tiny_dense):
 def test_joint_heal_settings_are_checked_before_the_source_is_read(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         convert_to_moe(tmp_path / "no-such-model", tmp_path / "out", progress=False, **SPLIT, **fields)
+
+
+@pytest.mark.parametrize(
+    ("heal_tokens", "rows"),
+    [(0, range(0, 8)), (1024, range(4, 12)), (4096, range(0, 8))],  # the last: no calibration tokens left after it
+)
+def test_joint_healing_trains_on_the_tokens_after_the_layer_wise_heals(heal_tokens, rows):
+    recipe = MoERecipe(heal_tokens=heal_tokens, joint_heal_tokens=2048)
+    given = torch.arange(16 * 256).view(16, 256)
+    context = CalibrationContext(recipe, load_model=None, input_ids=given)
+    torch.testing.assert_close(joint_heal_tokens(context, recipe), given[rows.start : rows.stop])

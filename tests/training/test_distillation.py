@@ -25,12 +25,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from llama_moe_hf import convert_to_moe
+from llama_moe_hf.distillation import distillation_kl
 from llama_moe_hf.loading import DEFAULT_MODEL
 from llama_moe_hf.training.checkpoint import HISTORY_FILE
 from llama_moe_hf.training.distill import (
     DistillationMixin,
     Distiller,
-    distillation_kl,
     load_teacher,
     recorded_source,
     resolve_teacher,

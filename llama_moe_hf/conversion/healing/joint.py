@@ -16,7 +16,8 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
+
+from ...distillation import distillation_kl
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,21 @@ def heal_jointly(student, teacher, input_ids: torch.Tensor, lr: float, progress:
 
 def heal_built_model(model, dense_model, context, recipe, progress: bool = False) -> None:
     """`build_moe`'s joint stage, where `recipe` asks for one (`joint_heal_tokens`): `heal_jointly` on the calibration
-    context's tokens, recorded in the model's `conversion_info`."""
+    context's tokens (`joint_heal_tokens`), recorded in the model's `conversion_info`."""
     if not recipe.joint_heal_tokens:
         return
-    tokens = context.tokens(recipe.joint_heal_tokens)
-    info = heal_jointly(model, dense_model, tokens, recipe.joint_heal_lr, progress=progress)
+    info = heal_jointly(model, dense_model, joint_heal_tokens(context, recipe), recipe.joint_heal_lr, progress=progress)
     model.config.conversion_info = {**model.config.conversion_info, "joint_healing": info}
+
+
+def joint_heal_tokens(context, recipe) -> torch.Tensor:
+    """The joint stage's `[B, S]` calibration tokens: those after the tokens the layer-wise heal fitted, on which the
+    MoE already matches the dense model layer by layer and which teach this stage less (docs/quality.md); the first
+    ones where the text has no more."""
+    seq_len = recipe.calibration_seq_len
+    tokens = context.tokens(recipe.heal_tokens + recipe.joint_heal_tokens)
+    fresh = tokens[recipe.heal_tokens // seq_len :]
+    return fresh if len(fresh) else tokens[: max(1, recipe.joint_heal_tokens // seq_len)]
 
 
 def parameter_groups(model) -> list[dict]:
@@ -98,10 +108,8 @@ def distillation_loss(student, teacher, input_ids: torch.Tensor) -> tuple[torch.
     finally:
         student.config.router_aux_loss_coef = coef
     with torch.no_grad():
-        teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
-    log_student = F.log_softmax(outputs.logits[:, :-1].float(), dim=-1)
-    log_teacher = F.log_softmax(teacher_logits, dim=-1)
-    kl = F.kl_div(log_student, log_teacher, reduction="none", log_target=True).sum(-1).mean()
+        teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits[:, :-1]
+    kl = distillation_kl(outputs.logits[:, :-1], teacher_logits).mean()
     aux = getattr(outputs, "aux_loss", None)
     aux = 0.0 if aux is None else aux
     loss = (1 - KL_WEIGHT) * outputs.loss + KL_WEIGHT * (ROUTER_AUX_LOSS_COEF * aux + kl)
