@@ -7,6 +7,8 @@ other folders load as transformers loads them (remote code only with `trust_remo
 from collections.abc import Callable
 from pathlib import Path
 
+from .devices import default_device
+
 DEFAULT_MODEL = "default"  # the built-in dense model (SmolLM2-135M-Instruct, no download)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -28,12 +30,6 @@ def model_folder(
     if download is None:
         from huggingface_hub import snapshot_download as download
     return hub_folder(str(spec), revision=revision, token=token, download=download)
-
-
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_model(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import default_device
 from ..text.documents import load_texts
 from ..text.tokens import cut_blocks, token_stream
 from .attention_fit import AttentionCalibration
@@ -214,7 +215,7 @@ class CalibrationContext:
         if self._released:
             raise RuntimeError("The dense model was released: request calibration statistics before prepare().")
         if self._model is None:
-            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            device = self.device or default_device()
             with transformers_progress_bars(self.progress):
                 self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
         return self._model

@@ -9,6 +9,8 @@ so `h_i` is transformers' `output_hidden_states[i]` of the whole model, for ever
 
 import torch
 
+from ..devices import default_device
+
 REDUCTIONS = ("last", "mean", "sum")  # what stands for a sequence: its last token's state, their mean or sum
 BATCH = 16  # sequences of one length run through a layer together
 
@@ -24,7 +26,7 @@ def layer_input_states(source, token_lists, reduce: str = "last", device=None, p
 
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {', '.join(REDUCTIONS)}, not {reduce!r}.")
-    runner = _LayerRunner(source, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    runner = _LayerRunner(source, torch.device(device or default_device()))
     groups = _by_length(token_lists)
     states = {length: runner.embed([token_lists[i] for i in rows]) for length, rows in groups.items()}
     layers = runner.config.num_hidden_layers

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..devices import default_device
 from ..preflight import check_writable
 from .recipe import RECIPE_FILE, MoERecipe, save_recipe
 from .registry import FAMILIES
@@ -147,7 +148,7 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
     from .healing.joint import heal_folder_jointly, joint_heal_tokens
 
     recipe, run = plan.recipe, plan.run
-    device = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = run.device or default_device()
     info = heal_folder_jointly(
         folder,
         source.load_model(torch.float32, device),

@@ -21,10 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def _recipe_field(name: str):
-    """The recipe's field `name` with its default and help, without its "healing: " prefix (one copy of each)."""
+    """The recipe's field `name` with its default, help and choices, without its "healing: " prefix (one copy of
+    each)."""
     recipe_field = RecipeFields.__dataclass_fields__[name]
     help_text = recipe_field.metadata["help"].removeprefix("healing: ")
-    return field(default=recipe_field.default, metadata={"help": help_text})
+    return field(default=recipe_field.default, metadata={**recipe_field.metadata, "help": help_text})
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...devices import default_device
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "healing.json"
@@ -91,7 +93,7 @@ class LayerHealer:
     def for_model(cls, recipe, model, embed_weight, input_ids, device=None, state_dir=None, identity=""):
         """The healer of `recipe`'s healing for `model` (the converted model, on any device, meta included), on
         `device` (None: CUDA when available, else CPU)."""
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or default_device()
         layer_class, rotary_class = type(model.model.layers[0]), type(model.model.rotary_emb)
         settings = HealSettings.from_recipe(recipe)
         return cls(
