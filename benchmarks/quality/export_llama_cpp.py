@@ -25,6 +25,12 @@ from llama_moe_hf.export import export_model
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
+def chat_prompt(tokenizer) -> tuple[str, list[int]]:
+    """PROMPT as the chat template writes it, ready for the answer: (text, token ids)."""
+    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    return text, tokenizer(text, add_special_tokens=False).input_ids
+
+
 def llama_cpp_greedy(gguf_file: Path, prompt_ids: list[int], new_tokens: int, eos: int):
     """llama.cpp's prompt logits [P, V] and greedy continuation (argmax of its logits, no sampler)."""
     import llama_cpp
@@ -84,8 +90,7 @@ def main() -> None:
 
 def compare(moe: Path, gguf_file: Path, new_tokens: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(moe)
-    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+    text, prompt_ids = chat_prompt(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
     with torch.no_grad():
         hf_logits = model(torch.tensor([prompt_ids])).logits[0]

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 from benchmarks.common import heldout_tokens, record
+from benchmarks.quality.export_llama_cpp import chat_prompt
 from llama_moe_hf.export import export_model
 
 TARGETS = ("qwen2_moe", "mixtral")
-PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 def outputs(model, ids: torch.Tensor, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
@@ -64,8 +64,7 @@ def main() -> None:
     for folder in args.folders:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = heldout_tokens(tokenizer, args.tokens, ("licences",))["licences"]
-        text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
-        prompt = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+        prompt = torch.tensor(chat_prompt(tokenizer)[1])
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         reference = outputs(model, ids, prompt, args.new_tokens)
         for target in TARGETS:
