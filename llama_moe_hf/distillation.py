@@ -1,5 +1,6 @@
 """The distillation loss both healing in the conversion (`conversion.healing.joint`) and training
-(`training.distill`) use: the per-position KL from the teacher's next-token distribution to the student's."""
+(`training.distill`) use: the per-position KL from the teacher's next-token distribution to the student's, and its
+weighting against the student's own loss."""
 
 import torch
 import torch.nn.functional as F
@@ -28,3 +29,12 @@ def distillation_kl(student_logits, teacher_logits, temperature: float = 1.0, to
     student_rest = student.scatter(-1, index, -torch.inf).logsumexp(-1)
     kl = (teacher_top.exp() * (teacher_top - student_top)).sum(-1)
     return kl + torch.xlogy(teacher_rest, teacher_rest) - teacher_rest * student_rest
+
+
+def distillation_objective(outputs, kl, router_coef: float, alpha: float, temperature: float = 1.0):
+    """`(1 - alpha) * (L_LM + c * L_balance) + alpha * (c * L_balance + T^2 * kl)`: a causal LM's own loss
+    (`outputs.loss`, which holds its balance loss `outputs.aux_loss` at `router_coef` c) traded against the KL at
+    `temperature`, the balance loss kept at its full weight. T^2 keeps the KL's gradient scale independent of T."""
+    aux = getattr(outputs, "aux_loss", None)
+    router = router_coef * aux if aux is not None else 0.0
+    return (1 - alpha) * outputs.loss + alpha * (router + temperature**2 * kl)

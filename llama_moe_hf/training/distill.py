@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoints.writer import check_weights
-from ..distillation import distillation_kl
+from ..distillation import distillation_kl, distillation_objective
 from ..preflight import check_training
 from .lora import check_lora
 from .resume import check_resume
@@ -211,9 +211,7 @@ class Distiller:
             return (values * mask).sum() / count
 
         kl = per_token(distillation_kl(outputs.logits[:, :-1], teacher.logits[:, :-1], self.temperature, self.top_k))
-        aux = getattr(outputs, "aux_loss", None)
-        router = router_coef * aux if aux is not None else 0.0  # the part of the model's loss kept at full weight
-        loss = (1 - self.alpha) * outputs.loss + self.alpha * (router + self.temperature**2 * kl)
+        loss = distillation_objective(outputs, kl, router_coef, self.alpha, self.temperature)
         terms = {"distill_kl": kl.detach()}
         if hidden:
             states = outputs.hidden_states, teacher.hidden_states

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ...distillation import distillation_kl
+from ...distillation import distillation_kl, distillation_objective
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def parameter_groups(model) -> list[dict]:
 
 
 def distillation_loss(student, teacher, input_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(loss, mean KL per position): `(1 - w) * (LM loss + the router losses) + w * (balance loss + KL)`, `w` =
-    KL_WEIGHT, so the router terms keep their full weight (as `training.distill.Distiller` weighs them)."""
+    """(loss, mean KL per position): `distillation_objective` at alpha KL_WEIGHT and temperature 1, the weighting
+    `training.distill.Distiller` trains with."""
     coef = getattr(student.config, "router_aux_loss_coef", 0.0)
     student.config.router_aux_loss_coef = ROUTER_AUX_LOSS_COEF
     try:
@@ -110,10 +110,7 @@ def distillation_loss(student, teacher, input_ids: torch.Tensor) -> tuple[torch.
     with torch.no_grad():
         teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits[:, :-1]
     kl = distillation_kl(outputs.logits[:, :-1], teacher_logits).mean()
-    aux = getattr(outputs, "aux_loss", None)
-    aux = 0.0 if aux is None else aux
-    loss = (1 - KL_WEIGHT) * outputs.loss + KL_WEIGHT * (ROUTER_AUX_LOSS_COEF * aux + kl)
-    return loss, kl.item()
+    return distillation_objective(outputs, kl, ROUTER_AUX_LOSS_COEF, KL_WEIGHT), kl.item()
 
 
 def heal_folder_jointly(
