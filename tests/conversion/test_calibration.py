@@ -11,7 +11,7 @@ from llama_moe_hf import MoERecipe
 from llama_moe_hf.conversion import calibration
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
 from llama_moe_hf.conversion.statistics import collect_calibration
-from llama_moe_hf.text.documents import load_texts
+from llama_moe_hf.text.documents import iter_documents, load_texts
 
 DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
 
@@ -93,6 +93,17 @@ def test_unknown_dataset_gives_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="not a local file or folder, and datasets.load_dataset"):
         load_texts("no-such-org/no-such-dataset")
+
+
+@pytest.mark.parametrize("spec", ["missing-folder/docs.jsonl", "./notes", "/no/such/corpus"])
+def test_a_missing_local_file_is_refused_without_asking_the_hub(spec):
+    def hub(*args, **kwargs):
+        raise AssertionError("a local path went to the Hub")
+
+    with pytest.raises(ValueError, match=f"Calibration data file {spec} does not exist"):
+        load_texts(spec, dataset_loader=hub)
+    with pytest.raises(ValueError, match=f"Data file {spec} does not exist"):
+        next(iter_documents(spec, dataset_loader=hub))
 
 
 def test_dataset_names_go_through_the_loader_seam():

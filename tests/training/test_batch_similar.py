@@ -119,7 +119,7 @@ def test_command_line_writes_a_datasets_folder(tmp_path, smollm2_path):
     [
         (["--neighbours", "0"], "--neighbours must be at least 1"),
         (["--embedder", "transformers"], "needs --encoder MODEL"),
-        (["--documents", "missing-folder/docs.jsonl"], "Could not load documents"),
+        (["--documents", "missing-folder/docs.jsonl"], "Documents file missing-folder/docs.jsonl does not exist"),
     ],
 )
 def test_bad_input_gets_one_line_and_leaves_nothing(tmp_path, capsys, flags, message):
