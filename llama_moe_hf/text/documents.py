@@ -142,9 +142,10 @@ def _text_files(path: Path, what: str) -> list[Path]:
     return [path]
 
 
-def _check_not_a_missing_file(spec: str, path: Path, what: str) -> None:
+def refuse_missing_file(spec: str, what: str = "Data") -> None:
     """Refuse at once a spec that can only mean a local file (a data-file suffix, or a path from the root, the home or
     the working folder) when there is none: no Hub dataset is named so, and asking the Hub first costs its retries."""
+    path = Path(spec).expanduser()
     local = path.suffix.lower() in TEXT_SUFFIXES or spec.startswith(("/", "./", "../", "~"))
     if local and not path.exists():
         raise ValueError(f"{what} file {spec} does not exist.")
@@ -171,7 +172,7 @@ def iter_documents(
         yield from (text for text in builtin_corpus(*_builtin_name(spec))[0] if text.strip())
         return
     path = Path(spec).expanduser()
-    _check_not_a_missing_file(spec, path, what)
+    refuse_missing_file(spec, what)
     if path.exists():
         texts = (text for file in _text_files(path, what) for text in _iter_text_file(file, text_column, piece_chars))
     else:
@@ -202,7 +203,7 @@ def load_texts(
     if spec is None or spec.startswith(BUILTIN):
         return builtin_corpus(*_builtin_name(spec))
     path = Path(spec).expanduser()
-    _check_not_a_missing_file(spec, path, what)
+    refuse_missing_file(spec, what)
     if path.exists():
         files = _text_files(path, what)
         texts = [text for file in files for text in _read_text_file(file, text_column)]

@@ -139,6 +139,15 @@ def test_unwritable_output_is_refused_before_any_work(tiny_dense, tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_a_missing_calibration_file_is_refused_before_any_work(tiny_dense, tmp_path, capsys, no_model_loads):
+    """Even for a method that reads no calibration data (upcycle): the file was named, so it is meant."""
+    missing, out = tmp_path / "notes.txt", tmp_path / "out"
+    argv = ["convert", "--model", str(tiny_dense[0]), "--output", str(out), "--calibration-data", str(missing)]
+    assert main([*argv, "--method", "upcycle", "--num-experts", "2"]) == 2
+    assert one_error_line(capsys) == f"error: Calibration data file {missing} does not exist."
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("script", RECIPE_SCRIPTS)
 def test_recipes_refuse_an_unwritable_output_dir_before_training(tmp_path, capsys, script):
     (tmp_path / "a-file").write_text("")
