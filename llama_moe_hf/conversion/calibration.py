@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..devices import default_device
-from ..text.documents import BUILTIN, load_texts, refuse_missing_file
+from ..text.documents import load_texts, refuse_missing_file
 from ..text.tokens import cut_blocks, token_stream
 from .attention_fit import AttentionCalibration
 from .statistics import CalibrationStatistics, LayerCalibration, collect_calibration
@@ -72,8 +72,8 @@ def data_path(recipe) -> str | None:
     """The recipe's calibration data, a local file or folder as its full path (a recipe is portable that way); a local
     file that is not there is refused here, before anything is loaded, whether or not the method reads the data."""
     data = recipe.calibration_data
-    if data is not None and not data.startswith(BUILTIN):
-        refuse_missing_file(data, "Calibration data")
+    if data is not None:
+        refuse_missing_file(data, "Calibration data")  # `builtin:NAME` names no file: never refused
     if data is not None and Path(data).expanduser().exists():
         return str(Path(data).expanduser().resolve())
     return data

@@ -6,7 +6,6 @@ direction: uncentred rows are nearly parallel and the router can barely tell the
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..registry import ROUTER_INITS, option
 from .expert_vectors import ExpertVectorRouter
@@ -31,7 +30,7 @@ class ExpertDataRouter(ExpertVectorRouter):
 
     @classmethod
     def check_experts(cls, experts) -> None:
-        from ...text.documents import TEXT_SUFFIXES
+        from ...text.documents import refuse_missing_file
 
         for expert in experts:
             name, data = expert.describe(), expert.data
@@ -40,9 +39,7 @@ class ExpertDataRouter(ExpertVectorRouter):
                     f"Expert {name} has no data: the {cls.name} gate starts each expert's router row from its own "
                     "text (data: a file, folder or dataset name)."
                 )
-            path = Path(data).expanduser()
-            if path.suffix.lower() in TEXT_SUFFIXES and not path.exists():
-                raise ValueError(f"Expert {name}'s data {data} does not exist.")
+            refuse_missing_file(data, f"Expert {name}'s data")
 
     def model_vectors(self, inputs, context):
         """`[L, models, H]`: the sum of the states over every expert's tokens (one pass for all) over their count."""
