@@ -54,6 +54,7 @@ setup(
         "train": ["peft>=0.21"],  # LoRA on the experts (docs/modeling.md)
         "test": [
             "pytest",
+            "pytest-xdist",  # the README's test command: a worker per core (tests/conftest.py shares the threads out)
             "psutil",
             "peft>=0.21",
             "faiss-cpu",

@@ -2,6 +2,7 @@
 Helpers: helpers.py."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ import llama_moe_hf  # noqa: F401  (registers the Auto classes)
 from llama_moe_hf.checkpoints import default_model_path
 from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.training.offline_data import stdlib_functions
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `-n N` (pytest-xdist): the cores shared out, not oversubscribed
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # the subprocesses of this worker's tests
 
 
 def pytest_terminal_summary(terminalreporter):

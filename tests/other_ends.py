@@ -42,7 +42,9 @@ def main(pytest_args: list[str]) -> int:
             flush=True,
         )
         tests = Path(__file__).resolve().parent
-        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "smoke", str(tests), *pytest_args]
+        # the README's test command's options
+        pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile"]
+        command = [*pytest, "-m", "smoke", str(tests), *pytest_args]
         return subprocess.run(command, cwd=tests.parent).returncode
 
 

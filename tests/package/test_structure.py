@@ -175,6 +175,7 @@ def test_tensor_and_expert_parallel_plans_run_in_two_processes(tiny_dense, tmp_p
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc_per_node",
         "2",
         str(script),

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llama_moe_hf.training.checkpoint import HISTORY_FILE
+
 REPO = Path(__file__).parents[2]
 RECIPE = REPO / "recipes" / "continual_pretrain.py"
 FSDP2 = ["--fsdp", "--fsdp_config", str(REPO / "recipes" / "accelerate" / "fsdp2_trainer.json")]
@@ -73,6 +75,7 @@ def test_training_moves_the_weights_well_beyond_the_tolerance(runs, tiny_moe_pat
 def test_each_run_says_how_the_model_is_spread(runs):
     assert (runs["one"]["kind"], runs["one"]["shares"]) == ("NO", [100])
     assert (runs["ddp"]["kind"], runs["ddp"]["shares"]) == ("MULTI_CPU", [100, 100])
+    assert json.loads((runs["ddp"]["output"] / HISTORY_FILE).read_text())[0]["world_size"] == 2
     assert runs["fsdp2"]["kind"] == "FSDP"
     assert all(45 <= share <= 55 for share in runs["fsdp2"]["shares"]), runs["fsdp2"]["shares"]  # really sharded
 

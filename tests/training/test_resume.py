@@ -37,8 +37,8 @@ def _command(processes: int, recipe: str, flags: list[str], output: Path) -> lis
     """`recipe` with `flags`: 6 steps of 4 rows in all, a checkpoint every 2 steps."""
     launcher = [sys.executable, str(SCRIPT), str(RECIPES / recipe)]
     if processes > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), str(SCRIPT)]
-        launcher += [str(RECIPES / recipe), "--ddp_backend", "gloo"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        launcher += [str(SCRIPT), str(RECIPES / recipe), "--ddp_backend", "gloo"]
     flags = flags + ["--per_device_train_batch_size", str(4 // processes)]
     return launcher + flags + COMMON + ["--output_dir", str(output)]
 

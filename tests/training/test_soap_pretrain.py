@@ -45,7 +45,7 @@ def test_recipe_warms_up_dense_then_trains(tmp_path, smollm2_path, flags):
 
 
 def test_recipe_runs_on_two_cpu_processes_with_torchrun(tmp_path, smollm2_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     results = run_recipe(launcher, tmp_path / "out", "--ddp_backend", "gloo")
     assert results["train_tokens"] == 20 * 2 * 2 * 64  # two processes, each its own batches
     assert AutoConfig.from_pretrained(tmp_path / "out").model_type == "soap_moe"

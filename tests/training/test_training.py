@@ -175,7 +175,8 @@ def test_every_router_loss_trains_alike_under_sft_trainer_and_trainer(tmp_path):
 def test_two_process_cpu_ddp_keeps_ranks_identical(tmp_path):
     script = Path(__file__).parents[1] / "scripts" / "ddp_train_script.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(script), str(tmp_path)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
 

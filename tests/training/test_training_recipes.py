@@ -64,9 +64,10 @@ def _training_args(output: Path, **overrides) -> TrainingArguments:
     return TrainingArguments(**(fields | overrides))
 
 
-def _assert_complete_checkpoint(folder: Path, model, stages: int) -> list[dict]:
+def _assert_complete_checkpoint(folder: Path, model, stages: int, remote: bool = True) -> list[dict]:
     """Weights (mode 0o644 under umask 022), config, remote code, tokenizer, card and history; no pickle; the same
-    logits as the trained model, also as remote code without the package."""
+    logits as the trained model, also as remote code without the package (`remote`: a fresh process, ~10 s, so
+    once per way of saving: pre-training, SFT's second stage, LoRA's merge)."""
     names = {path.name for path in folder.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_llama_moe.py", "tokenizer.json", "README.md"} <= names
     assert "training_args.bin" not in names and not any(name.startswith(".") for name in names)
@@ -74,9 +75,10 @@ def _assert_complete_checkpoint(folder: Path, model, stages: int) -> list[dict]:
     ids = token_batch()
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     torch.testing.assert_close(logits(reloaded, ids), logits(model.eval(), ids), atol=1e-5, rtol=1e-5)
-    module, remote = load_as_remote_code(folder, ids)
-    assert module.startswith("transformers_modules")
-    torch.testing.assert_close(remote, logits(model, ids)[0, -1], atol=1e-4, rtol=1e-4)
+    if remote:
+        module, remote_logits = load_as_remote_code(folder, ids)
+        assert module.startswith("transformers_modules")
+        torch.testing.assert_close(remote_logits, logits(model, ids)[0, -1], atol=1e-4, rtol=1e-4)
     history = json.loads((folder / HISTORY_FILE).read_text())
     assert len(history) == stages
     card = (folder / "README.md").read_text()
@@ -223,7 +225,7 @@ def test_two_stage_sft_with_replay_and_frozen_routers(tiny_moe_path, tmp_path, u
     losses = [entry["loss"] for entry in stage1.log_history if "loss" in entry]
     assert losses[-1] < losses[0] - 0.5, losses
     assert any("aux_loss" in entry for entry in stage1.log_history)  # the router loss shows in the logs
-    _assert_complete_checkpoint(stage1.output, stage1.model, stages=1)
+    _assert_complete_checkpoint(stage1.output, stage1.model, stages=1, remote=False)  # stage 2 checks it
 
     # Stage 2 starts from stage 1's folder; 10% of its examples replay stage 1 (TRL's `fraction`).
     stage2_args = (
@@ -273,7 +275,7 @@ def test_lora_sft_saves_the_merged_model_and_the_adapter(tiny_moe_path, tmp_path
     outcome = run_sft(
         ScriptArguments(), _sft_args(tmp_path / "out", max_steps=6), model_args, _mixture(one=(data, None)), moe
     )
-    (stage,) = _assert_complete_checkpoint(outcome.output, outcome.model, stages=1)
+    (stage,) = _assert_complete_checkpoint(outcome.output, outcome.model, stages=1, remote=train_routers)
     assert stage["lora"]["r"] == 4 and stage["lora"]["trained_in_full"] == (["gate"] if train_routers else None)
     assert "trained LoRA adapters (r 4, alpha 8" in (outcome.output / "README.md").read_text()
     adapter = outcome.output / "adapter"
@@ -351,33 +353,3 @@ def test_offline_data_has_disjoint_held_out_splits_and_correct_worked_answers(tm
         steps = re.findall(r"(\d+(?: [-+x/] \d+)+) = (\d+)", answer)
         assert steps and all(eval(expr.replace("x", "*")) == int(value) for expr, value in steps), answer
         assert answer.endswith(f"The answer is {steps[-1][1]}."), answer
-
-
-def test_continual_pretraining_under_two_process_ddp_follows_the_one_process_loss_trajectory(
-    tiny_moe_path, domains, tmp_path
-):
-    """`torchrun --nproc_per_node 2` (gloo, 2 blocks per process) against one process with 4 blocks per step: the
-    same global batches (the first process draws them and hands each its half), so the same losses. The balance
-    loss is off: each process computes it over its own tokens and it is not linear in the batch."""
-    flags = ["--model_name_or_path", str(tiny_moe_path), "--domains"]
-    flags += [f"{name}={path}" for name, path in domains.items()]
-    flags += ["--seq_len", "64", "--max_steps", "6", "--logging_steps", "1", "--learning_rate", "3e-3"]
-    flags += ["--warmup_steps", "0", "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no"]
-    flags += ["--router_aux_loss_coef", "0"]
-    script = str(RECIPES / "continual_pretrain.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    runs = {
-        "one": [sys.executable, script, "--per_device_train_batch_size", "4"],
-        "ddp": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
-        + ["--per_device_train_batch_size", "2", "--ddp_backend", "gloo"],
-    }
-    losses = {}
-    for name, command in runs.items():
-        command = command + flags + ["--output_dir", str(tmp_path / name)]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        log = json.loads((tmp_path / name / "trainer_log.json").read_text())
-        losses[name] = [entry["loss"] for entry in log if "loss" in entry]
-    assert len(losses["one"]) == 6 and losses["one"][-1] < losses["one"][0]
-    np.testing.assert_allclose(losses["ddp"], losses["one"], rtol=1e-4)
-    assert json.loads((tmp_path / "ddp" / HISTORY_FILE).read_text())[0]["world_size"] == 2
