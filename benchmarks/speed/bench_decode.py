@@ -212,13 +212,13 @@ def read_bytes_per_token(model) -> int:
 
 def preset_model(name: str, dense, tokenizer):
     """A model with preset `name`'s layout (experts, shared experts, top-k, router, compensation), calibrated on 4096
-    tokens, its selector barely trained and not healed: the speed of a layout does not depend on how well its weights
-    were chosen."""
+    tokens (16 sequences: enough to group), its selector barely trained and not healed, layer-wise or jointly: the
+    speed of a layout does not depend on how well its weights were chosen."""
     from llama_moe_hf import build_moe
     from llama_moe_hf.conversion.recipe import load_recipe, preset_path
 
     recipe, _ = load_recipe(preset_path(name))
-    fast = dict(calibration_tokens=4096, calibration_samples=4096, heal_tokens=0)  # 16 sequences: enough to group
+    fast = dict(calibration_tokens=4096, calibration_samples=4096, heal_tokens=0, joint_heal_tokens=0)  # 16 sequences
     if recipe.router_init in ("selector", "linear_selector"):
         fast[f"{recipe.router_init}_steps"] = 1
     return build_moe(dense, recipe, tokenizer=tokenizer, **fast)

@@ -1,12 +1,13 @@
-"""llama.cpp decoding speed of the built-in SmolLM2 and its 8-expert splits, all written by `llama-moe export`.
+"""llama.cpp decoding speed of the built-in SmolLM2 and its expert splits, all written by `llama-moe export`.
 
-The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split), or `--presets`' layouts (shared
+The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split; `--top-k`, `--num-experts`), and/or
+`--presets`' layouts (shared
 experts: GGUF architecture "ernie4_5-moe"; built as `bench_decode.preset_model` builds them, the speed of a layout not
 depending on how well its weights were chosen), are exported through the same
 GGUF writer at F16 and at Q8_0 (`--outtype q8_0`), then decoded by llama.cpp through llama-cpp-python (2 threads,
 batch 1, greedy argmax of the logits, 48 tokens after a chat prompt), the models interleaved round by round; the
 median of the rounds per model. Each figure is also given against the model's bandwidth limit: the weight bytes a
-decoding step reads (every tensor of the file, but k of the 8 experts of the expert tensors and one row of the
+decoding step reads (every tensor of the file, but k of the n experts of the expert tensors and one row of the
 token embedding when the output matrix is separate) over a copy bandwidth measured in the same process
 (`benchmarks.common.copy_bandwidth`: torch's copy on `--threads` threads).
 
@@ -16,6 +17,7 @@ llama-cpp-python builds llama.cpp from source: install it in the benchmark's own
     python benchmarks/speed/llama_cpp_decode.py                        # F16 and Q8_0, 5 rounds
     python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 --rounds 9
     python benchmarks/speed/llama_cpp_decode.py --presets sparse-25 sparse-50 sparse-75   # rows to presets.jsonl
+    python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 4 6 8    # 8/8: the dense work, expert path
 
 Prefill: the 512-token prompt evaluated in one call, tokens/s, the same rounds.
 """
@@ -36,15 +38,18 @@ from benchmarks.common import RESULTS, copy_bandwidth, record
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to program computers."}]
 
 
-def exported_models(tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str]) -> dict[str, Path]:
+def exported_models(
+    tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str], num_experts: int = 8
+) -> dict[str, Path]:
     """'dense F16', '2/8 Q8_0', 'sparse-25 F16', ... -> the GGUF file."""
     from llama_moe_hf import convert_to_moe
     from llama_moe_hf.checkpoints import default_model_path
     from llama_moe_hf.export import export_model
 
     folders = {"dense": Path(default_model_path())}
-    for k in [] if presets else top_ks:
-        folders[f"{k}/8"] = convert_to_moe(None, tmp / f"moe{k}", num_experts=8, top_k=k, progress=False).output_dir
+    for k in top_ks:
+        moe = convert_to_moe(None, tmp / f"moe{k}", num_experts=num_experts, top_k=k, progress=False)
+        folders[f"{k}/{num_experts}"] = moe.output_dir
     if presets:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,7 +117,8 @@ def prefill_rate(llm, prompt_ids: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--top-k", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--top-k", type=int, nargs="+", help="splits k/n (default 2 4 6; none with --presets)")
+    parser.add_argument("--num-experts", type=int, default=8, help="of the splits (k/n); n/n does the dense FLOPs")
     parser.add_argument("--outtypes", nargs="+", default=["f16", "q8_0"], choices=["f16", "q8_0"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -130,7 +136,8 @@ def main() -> None:
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
     with tempfile.TemporaryDirectory() as tmp:
-        files = exported_models(Path(tmp), args.top_k, args.outtypes, args.presets)
+        top_ks = args.top_k or ([] if args.presets else [2, 4, 6])
+        files = exported_models(Path(tmp), top_ks, args.outtypes, args.presets, args.num_experts)
         models = {
             name: llama_cpp.Llama(str(path), n_ctx=1024, n_threads=args.threads, logits_all=True, verbose=False)
             for name, path in files.items()
