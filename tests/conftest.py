@@ -16,7 +16,8 @@ from llama_moe_hf.text.corpus import stdlib_docstrings
 from llama_moe_hf.training.offline_data import stdlib_functions
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `-n N` (pytest-xdist): the cores shared out, not oversubscribed
-    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not macOS
+    _threads = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     torch.set_num_threads(_threads)
     os.environ["OMP_NUM_THREADS"] = str(_threads)  # the subprocesses of this worker's tests
 
