@@ -1,10 +1,9 @@
 """llama.cpp decoding speed of the built-in SmolLM2 and its expert splits, all written by `llama-moe export`.
 
 The dense model and its 2/8, 4/8 and 6/8 splits (`convert_to_moe`, random split; `--top-k`, `--num-experts`), and/or
-`--presets`' layouts (shared
-experts: GGUF architecture "ernie4_5-moe"; built as `bench_decode.preset_model` builds them, the speed of a layout not
-depending on how well its weights were chosen), are exported through the same
-GGUF writer at F16 and at Q8_0 (`--outtype q8_0`), then decoded by llama.cpp through llama-cpp-python (2 threads,
+`--presets`' layouts (shared experts: GGUF architecture "ernie4_5-moe"; built as `bench_decode.preset_model` builds
+them, the speed of a layout not depending on how well its weights were chosen), are exported through the same GGUF
+writer at F16 and at Q8_0 (`--outtype q8_0`), then decoded by llama.cpp through llama-cpp-python (2 threads,
 batch 1, greedy argmax of the logits, 48 tokens after a chat prompt), the models interleaved round by round; the
 median of the rounds per model. Each figure is also given against the model's bandwidth limit: the weight bytes a
 decoding step reads (every tensor of the file, but k of the n experts of the expert tensors and one row of the
