@@ -19,9 +19,15 @@ llama-cpp-python builds llama.cpp from source: install it in the benchmark's own
     python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 4 6 8    # 8/8: the dense work, expert path
 
 Prefill: the 512-token prompt evaluated in one call, tokens/s, the same rounds.
+
+`--repack auto` (the default) turns llama.cpp's weight repacking off (its extra buffer types, the CLI's `--no-repack`)
+for Q8_0 files where llama.cpp reports AMX_INT8: there llama.cpp 0.3.36 put the Q8_0 weights in its AMX buffer and
+crashed (segmentation fault) on the first evaluation, the dense model's file as well (docs/quality.md). Rows say
+whether repacking was on.
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -114,6 +120,45 @@ def prefill_rate(llm, prompt_ids: list[int]) -> float:
     return len(prompt_ids) / (time.perf_counter() - start)
 
 
+def repacking(choice: str, outtypes: list[str]) -> bool:
+    """Whether llama.cpp repacks weights into its extra buffer types (see the module): `--repack`'s choice."""
+    import llama_cpp
+
+    if choice != "auto":
+        return choice == "on"
+    return not ("q8_0" in outtypes and "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode())
+
+
+@contextlib.contextmanager
+def model_params(repack: bool):
+    """llama-cpp-python's `Llama` takes no `use_extra_bufts`: set it in the defaults its constructor reads."""
+    import llama_cpp.llama_cpp as native
+
+    defaults = native.llama_model_default_params
+
+    def params():
+        value = defaults()
+        value.use_extra_bufts = repack
+        return value
+
+    native.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        native.llama_model_default_params = defaults
+
+
+def load_models(files: dict[str, Path], threads: int, repack: bool) -> dict:
+    """Each GGUF file in llama.cpp (`llama_cpp.Llama`), name -> model."""
+    import llama_cpp
+
+    with model_params(repack):
+        return {
+            name: llama_cpp.Llama(str(path), n_ctx=1024, n_threads=threads, logits_all=True, verbose=False)
+            for name, path in files.items()
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, nargs="+", help="splits k/n (default 2 4 6; none with --presets)")
@@ -123,6 +168,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--presets", nargs="+", default=[], help="presets' layouts instead of the splits")
+    parser.add_argument("--repack", choices=["auto", "on", "off"], default="auto", help="llama.cpp's weight repacking")
     args = parser.parse_args()
     import llama_cpp
     import torch
@@ -137,10 +183,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         top_ks = args.top_k or ([] if args.presets else [2, 4, 6])
         files = exported_models(Path(tmp), top_ks, args.outtypes, args.presets, args.num_experts)
-        models = {
-            name: llama_cpp.Llama(str(path), n_ctx=1024, n_threads=args.threads, logits_all=True, verbose=False)
-            for name, path in files.items()
-        }
+        repack = repacking(args.repack, args.outtypes)
+        models = load_models(files, args.threads, repack)
         step_bytes = {name: read_bytes_per_token(path) for name, path in files.items()}
         bandwidth = copy_bandwidth()
         rates, own_ms, prefill = ({name: [] for name in models} for _ in range(3))
@@ -154,7 +198,8 @@ def main() -> None:
                     own_ms[name].append(ms)
                     prefill[name].append(filled)
     print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, {args.new_tokens} greedy tokens, "
-          f"median of {args.rounds} interleaved rounds; copy bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+          f"median of {args.rounds} interleaved rounds; weight repacking {'on' if repack else 'off'}; copy "
+          f"bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
     print("| model | weight MB read per token | limit tokens/s | decode tokens/s | vs dense (same type) | limit vs "
           "dense | share of limit | llama.cpp's eval ms/token | 512-token prefill tokens/s | vs dense |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -170,7 +215,7 @@ def main() -> None:
         if name.split()[0] in args.presets:
             row = {"kind": "speed", "preset": name.split()[0], "runtime": f"llama.cpp {outtype}"}
             row |= {"decode_ratio": round(rate / dense, 3), "limit_ratio": round(limit_ratio, 3)}
-            row |= {"prefill_ratio": round(filled / dense_filled, 3), "threads": args.threads}
+            row |= {"prefill_ratio": round(filled / dense_filled, 3), "threads": args.threads, "repack": repack}
             record("presets", row, RESULTS / "presets.jsonl")
 
 
