@@ -14,11 +14,18 @@ The last two are of other domains than any calibration corpus here, the texts a 
 `--builtin-corpus NAME` also writes data/calibration/builtin-NAME.jsonl, one of the package's built-in corpora
 (`llama_moe_hf/text/corpus.py`: `docstrings`, the default calibration text, or `mixed`) as JSON lines, for recipes
 that read files (`recipes/pretrain/joint-heal.yaml`).
+
+`--domain-matched` writes data/calibration/domain-matched.jsonl, a diagnostic calibration text of the confirming
+texts' own domains (docs/quality.md, "What holds the other domains"): the docstrings, the licence notices of
+/usr/share/doc/*/copyright and section-1 manual pages that the held-out text does not use, a document of each in turn,
+each cut at 2,000 characters. A paragraph that shares any 8 words in a row with the held-out licences or manual pages
+is left out, so no held-out sentence is calibrated on.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -27,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LICENCES = Path("/usr/share/common-licenses")
 MAN1 = Path("/usr/share/man/man1")
 MAN_STRIDE = 150
+SHINGLE_WORDS = 8  # a paragraph sharing this many words in a row with the held-out text is left out
 
 
 def python_docs(unpacked: Path, output: Path) -> None:
@@ -66,6 +74,43 @@ def manpages(output: Path) -> int:
     return written
 
 
+def shingles(text: str) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)}
+
+
+def unseen_paragraphs(text: str, seen: set[tuple[str, ...]]) -> str:
+    """`text` without the paragraphs that share a shingle with `seen` (the held-out text) and without the field lines
+    of Debian's copyright format (`Files: *`), which are lists of names rather than licence prose."""
+    text = re.sub(r"(?m)^([A-Z][\w-]*:.*|\s*\.\s*)$", "", text)
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip() and not shingles(p) & seen]
+    return "\n\n".join(paragraphs)
+
+
+def domain_matched(heldout: Path, output: Path) -> int:
+    """Docstrings, licence notices and unused manual pages in turn (the module docstring), as JSON lines."""
+    from llama_moe_hf.text.corpus import DOCUMENT_CHARS
+    from llama_moe_hf.text.corpus import builtin_corpus as corpus
+
+    seen = set().union(*(shingles(p.read_text()) for p in sorted((heldout / "licences").glob("*.txt"))))
+    seen |= set().union(*(shingles(p.read_text()) for p in sorted((heldout / "manpages").glob("*.txt"))))
+    notices = (p.read_text(errors="replace") for p in sorted(Path("/usr/share/doc").glob("*/copyright")))
+    unused = [page for i, page in enumerate(sorted(MAN1.glob("*.1.gz"))) if i % MAN_STRIDE]  # not held out
+    pages = (render_man_page(page) for page in unused[:: MAN_STRIDE // 4])
+    kinds = [iter(corpus("docstrings")[0]), (unseen_paragraphs(t, seen) for t in notices)]
+    kinds.append(unseen_paragraphs(t, seen) for t in pages)
+    texts = []
+    while kinds:
+        for kind in list(kinds):
+            text = next((t for t in kind if t.strip()), None)
+            if text is None:
+                kinds.remove(kind)
+            else:
+                texts.append(text[:DOCUMENT_CHARS])
+    output.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return len(texts)
+
+
 def builtin_corpus(name: str, output: Path) -> int:
     """One of the package's built-in corpora as JSON lines, for what reads files (a recipe's `domains`)."""
     from llama_moe_hf.text.corpus import builtin_corpus as corpus
@@ -83,7 +128,14 @@ def main() -> None:
     parser.add_argument(
         "--builtin-corpus", choices=["docstrings", "mixed"], help="also write data/calibration/builtin-NAME.jsonl"
     )
+    parser.add_argument(
+        "--domain-matched", action="store_true", help="also write data/calibration/domain-matched.jsonl (a diagnostic)"
+    )
     args = parser.parse_args()
+    if args.domain_matched:
+        output = ROOT / "data" / "calibration" / "domain-matched.jsonl"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        print(f"domain-matched calibration text: {domain_matched(args.output, output)} documents -> {output}")
     if args.builtin_corpus:
         output = ROOT / "data" / "calibration" / f"builtin-{args.builtin_corpus}.jsonl"
         print(f"built-in corpus {args.builtin_corpus}: {builtin_corpus(args.builtin_corpus, output)} documents")

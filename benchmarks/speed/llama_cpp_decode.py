@@ -20,6 +20,11 @@ llama-cpp-python builds llama.cpp from source: install it in the benchmark's own
 
 Prefill: the 512-token prompt evaluated in one call, tokens/s, the same rounds.
 
+Under the table, per type, a least-squares line through the models' decoding steps: milliseconds per token =
+fixed + MB read / bandwidth. The fixed part (the work that does not shrink with the weights read: attention, norms,
+the graph's scheduling) caps what reading fewer weights can gain, the more so the faster the memory: a model reading
+a share s of the dense bytes decodes at most (fixed + dense read time) / (fixed + s * dense read time) as fast.
+
 `--repack auto` (the default) turns llama.cpp's weight repacking off (its extra buffer types, the CLI's `--no-repack`)
 for Q8_0 files where llama.cpp reports AMX_INT8: there llama.cpp 0.3.36 put the Q8_0 weights in its AMX buffer and
 crashed (segmentation fault) on the first evaluation, the dense model's file as well (docs/quality.md). Rows say
@@ -159,6 +164,18 @@ def load_models(files: dict[str, Path], threads: int, repack: bool) -> dict:
         }
 
 
+def print_fixed_cost_fits(rates: dict[str, list[float]], step_bytes: dict[str, int]) -> None:
+    """Per type, the least-squares `ms per token = fixed + MB / bandwidth` through the models' median rates."""
+    for outtype in sorted({name.split()[-1] for name in rates}):
+        names = [name for name in rates if name.split()[-1] == outtype]
+        megabytes = np.array([step_bytes[name] / 1e6 for name in names])
+        ms = np.array([1e3 / statistics.median(rates[name]) for name in names])
+        slope, fixed = np.polyfit(megabytes, ms, 1)
+        worst = np.abs(ms - (fixed + slope * megabytes)).max()
+        print(f"{outtype}: ms per token = {fixed:.2f} + MB read / {1 / slope:.1f} GB/s (least squares over "
+              f"{len(names)} models, largest residual {worst:.2f} ms)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, nargs="+", help="splits k/n (default 2 4 6; none with --presets)")
@@ -217,6 +234,8 @@ def main() -> None:
             row |= {"decode_ratio": round(rate / dense, 3), "limit_ratio": round(limit_ratio, 3)}
             row |= {"prefill_ratio": round(filled / dense_filled, 3), "threads": args.threads, "repack": repack}
             record("presets", row, RESULTS / "presets.jsonl")
+    if len(rates) > 2:
+        print_fixed_cost_fits(rates, step_bytes)
 
 
 if __name__ == "__main__":
