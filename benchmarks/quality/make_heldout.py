@@ -80,33 +80,27 @@ def shingles(text: str) -> set[tuple[str, ...]]:
 
 
 def unseen_paragraphs(text: str, seen: set[tuple[str, ...]]) -> str:
-    """`text` without the paragraphs that share a shingle with `seen` (the held-out text) and without the field lines
-    of Debian's copyright format (`Files: *`), which are lists of names rather than licence prose."""
+    """`text` without the paragraphs that share a shingle with `seen` (the held-out text) and without lines of the form
+    `Field: value` (Debian's copyright format's field lines, `Files: *`, lists of names rather than licence prose; a
+    manual page's line of that form goes too)."""
     text = re.sub(r"(?m)^([A-Z][\w-]*:.*|\s*\.\s*)$", "", text)
     paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip() and not shingles(p) & seen]
     return "\n\n".join(paragraphs)
 
 
 def domain_matched(heldout: Path, output: Path) -> int:
-    """Docstrings, licence notices and unused manual pages in turn (the module docstring), as JSON lines."""
-    from llama_moe_hf.text.corpus import DOCUMENT_CHARS
+    """Docstrings, licence notices and unused manual pages in turn (the module docstring), as JSON lines. Reads the
+    held-out licences and manual pages under `heldout`, so they must be written first."""
     from llama_moe_hf.text.corpus import builtin_corpus as corpus
+    from llama_moe_hf.text.corpus import in_turn
 
-    seen = set().union(*(shingles(p.read_text()) for p in sorted((heldout / "licences").glob("*.txt"))))
-    seen |= set().union(*(shingles(p.read_text()) for p in sorted((heldout / "manpages").glob("*.txt"))))
+    held_out = [p for kind in ("licences", "manpages") for p in sorted((heldout / kind).glob("*.txt"))]
+    seen = set().union(*(shingles(p.read_text()) for p in held_out))
     notices = (p.read_text(errors="replace") for p in sorted(Path("/usr/share/doc").glob("*/copyright")))
     unused = [page for i, page in enumerate(sorted(MAN1.glob("*.1.gz"))) if i % MAN_STRIDE]  # not held out
     pages = (render_man_page(page) for page in unused[:: MAN_STRIDE // 4])
-    kinds = [iter(corpus("docstrings")[0]), (unseen_paragraphs(t, seen) for t in notices)]
-    kinds.append(unseen_paragraphs(t, seen) for t in pages)
-    texts = []
-    while kinds:
-        for kind in list(kinds):
-            text = next((t for t in kind if t.strip()), None)
-            if text is None:
-                kinds.remove(kind)
-            else:
-                texts.append(text[:DOCUMENT_CHARS])
+    kinds = [corpus("docstrings")[0], *([unseen_paragraphs(t, seen) for t in texts] for texts in (notices, pages))]
+    texts = in_turn([t for t in kind if t.strip()] for kind in kinds)
     output.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     return len(texts)
 
@@ -132,16 +126,16 @@ def main() -> None:
         "--domain-matched", action="store_true", help="also write data/calibration/domain-matched.jsonl (a diagnostic)"
     )
     args = parser.parse_args()
-    if args.domain_matched:
-        output = ROOT / "data" / "calibration" / "domain-matched.jsonl"
-        output.parent.mkdir(parents=True, exist_ok=True)
-        print(f"domain-matched calibration text: {domain_matched(args.output, output)} documents -> {output}")
     if args.builtin_corpus:
         output = ROOT / "data" / "calibration" / f"builtin-{args.builtin_corpus}.jsonl"
         print(f"built-in corpus {args.builtin_corpus}: {builtin_corpus(args.builtin_corpus, output)} documents")
     if args.python_docs:
         python_docs(args.python_docs, args.output)
     print(f"licences: {licences(args.output)} files; manpages: {manpages(args.output)} pages -> {args.output}")
+    if args.domain_matched:  # after the held-out text it must leave out
+        output = ROOT / "data" / "calibration" / "domain-matched.jsonl"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        print(f"domain-matched calibration text: {domain_matched(args.output, output)} documents -> {output}")
 
 
 if __name__ == "__main__":

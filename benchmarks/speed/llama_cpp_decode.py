@@ -165,9 +165,12 @@ def load_models(files: dict[str, Path], threads: int, repack: bool) -> dict:
 
 
 def print_fixed_cost_fits(rates: dict[str, list[float]], step_bytes: dict[str, int]) -> None:
-    """Per type, the least-squares `ms per token = fixed + MB / bandwidth` through the models' median rates."""
+    """Per type with 3 models or more, the least-squares `ms per token = fixed + MB / bandwidth` through the models'
+    median rates."""
     for outtype in sorted({name.split()[-1] for name in rates}):
         names = [name for name in rates if name.split()[-1] == outtype]
+        if len(names) < 3:  # two points fit any line
+            continue
         megabytes = np.array([step_bytes[name] / 1e6 for name in names])
         ms = np.array([1e3 / statistics.median(rates[name]) for name in names])
         slope, fixed = np.polyfit(megabytes, ms, 1)
@@ -234,8 +237,7 @@ def main() -> None:
             row |= {"decode_ratio": round(rate / dense, 3), "limit_ratio": round(limit_ratio, 3)}
             row |= {"prefill_ratio": round(filled / dense_filled, 3), "threads": args.threads, "repack": repack}
             record("presets", row, RESULTS / "presets.jsonl")
-    if len(rates) > 2:
-        print_fixed_cost_fits(rates, step_bytes)
+    print_fixed_cost_fits(rates, step_bytes)
 
 
 if __name__ == "__main__":

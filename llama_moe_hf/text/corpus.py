@@ -131,6 +131,14 @@ def _docstrings_corpus() -> tuple[tuple[str, ...], str]:
     return tuple(texts), f"{DEFAULT_DESCRIPTION}Python stdlib docstrings ({len(texts)} docs)"
 
 
+def in_turn(kinds) -> list[str]:
+    """A document of each kind (lists of texts) in turn until every kind runs out, each cut at `DOCUMENT_CHARS`, so
+    that any prefix holds every kind and no kind outweighs the others by its lengths."""
+    kinds = list(kinds)
+    longest = max(map(len, kinds))
+    return [docs[i][:DOCUMENT_CHARS] for i in range(longest) for docs in kinds if i < len(docs)]
+
+
 @functools.cache
 def _mixed_corpus() -> tuple[tuple[str, ...], str]:
     kinds = {
@@ -138,7 +146,6 @@ def _mixed_corpus() -> tuple[tuple[str, ...], str]:
         "stdlib code": stdlib_code(),
         "installed packages' READMEs": package_descriptions(),
     }
-    longest = max(map(len, kinds.values()))
-    texts = [docs[i][:DOCUMENT_CHARS] for i in range(longest) for docs in kinds.values() if i < len(docs)]
+    texts = in_turn(kinds.values())
     counts = ", ".join(f"{len(docs)} {kind}" for kind, docs in kinds.items())
     return tuple(texts), f"built-in corpus mixed, three kinds in turn: {counts}"
