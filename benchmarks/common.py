@@ -132,6 +132,24 @@ def perplexities(model, tokens: dict, batch_size: int = 8, window: int = WINDOW)
     }
 
 
+def kl_to_dense(model, dense, tokens: dict, batch_size: int = 8, window: int = WINDOW) -> dict:
+    """{name: mean KL(dense || model) of the next-token distributions over tokens[name]}, in `window`-token rows (the
+    remainder dropped): how far a converted model is from its source on each text, whatever the text's own loss."""
+    import torch
+
+    from llama_moe_hf.distillation import distillation_kl
+
+    result = {}
+    for name, ids in tokens.items():
+        rows = ids[: len(ids) // window * window].view(-1, window)  # [n, window]
+        total = 0.0
+        with torch.no_grad():
+            for batch in rows.split(batch_size):
+                total += distillation_kl(model(batch).logits, dense(batch).logits).sum().item()
+        result[name] = total / rows.numel()
+    return result
+
+
 def chunk_perplexity(model, chunks, batch_size: int = 4) -> float:
     """Perplexity of `model` on the rows of `chunks` `[n, L]`, each scored on its own (L - 1 predictions a row)."""
     return perplexities(model, {"chunks": chunks.flatten()}, batch_size, chunks.shape[-1])["chunks"]

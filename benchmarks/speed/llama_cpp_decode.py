@@ -17,6 +17,13 @@ llama-cpp-python builds llama.cpp from source: install it in the benchmark's own
     python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 --rounds 9
     python benchmarks/speed/llama_cpp_decode.py --presets sparse-25 sparse-50 sparse-75   # rows to presets.jsonl
     python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --top-k 2 4 6 8    # 8/8: the dense work, expert path
+    python benchmarks/speed/llama_cpp_decode.py --outtypes f16 --presets sparse-25 --folders outputs/presets/sparse-25
+
+`--folders` adds converted folders as they are (healed weights, trained routers) beside the built layouts, rows named
+`folder:NAME`. For every MoE model the script also prints how its router spreads the decoded tokens (in transformers,
+the 48 greedy tokens of the chat prompt): the experts each layer uses over them, and how often a token takes the same
+experts as the token before it. A router that keeps choosing the same experts reads fewer distinct bytes than the
+weights' sizes say, so the cache could serve part of them; the built layouts' routers are barely trained.
 
 Prefill: the 512-token prompt evaluated in one call, tokens/s, the same rounds.
 
@@ -49,9 +56,9 @@ PROMPT = [{"role": "user", "content": "Write a long story about a dragon who lea
 
 
 def exported_models(
-    tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str], num_experts: int = 8
-) -> dict[str, Path]:
-    """'dense F16', '2/8 Q8_0', 'sparse-25 F16', ... -> the GGUF file."""
+    tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str], num_experts: int = 8, extra=()
+) -> tuple[dict[str, Path], dict[str, Path]]:
+    """({'dense F16', '2/8 Q8_0', 'sparse-25 F16', 'folder:NAME F16', ...: the GGUF file}, {name: the folder})."""
     from llama_moe_hf import convert_to_moe
     from llama_moe_hf.checkpoints import default_model_path
     from llama_moe_hf.export import export_model
@@ -71,6 +78,7 @@ def exported_models(
             preset_model(name, dense, tokenizer).save_pretrained(tmp / name)
             tokenizer.save_pretrained(tmp / name)
             folders[name] = tmp / name
+    folders |= {f"folder:{Path(folder).name}": Path(folder) for folder in extra}
     files = {}
     for name, folder in folders.items():
         for outtype in outtypes:
@@ -78,7 +86,40 @@ def exported_models(
             result = export_model(folder, "gguf", tmp / f"{name.replace('/', '-')}-{outtype}", progress=False,
                                   tokenizer_pre="smollm", **options)  # fmt: skip
             files[f"{name} {outtype.upper()}"] = result.output_dir / result.files[0]
-    return files
+    return files, folders
+
+
+def routing_spread(folder: Path, prompt_ids: list[int], new_tokens: int) -> tuple[float, float, int] | None:
+    """(experts each MoE layer uses over the greedy tokens, averaged over layers; share of (token, layer) pairs
+    choosing the same experts as the token before; the experts a layer has), or None for a dense model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    if not gates:
+        return None
+    prompt = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        ids = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        chosen = []  # per layer: [T, k] expert indices
+        hooks = [gate.register_forward_hook(lambda m, a, out: chosen.append(out[2])) for gate in gates]
+        model(ids)
+        for hook in hooks:
+            hook.remove()
+    decoded = [index[len(prompt_ids) :].sort(-1).values for index in chosen]  # the timed steps' tokens
+    used = statistics.mean(index.unique().numel() for index in decoded)
+    same = statistics.mean((index[1:] == index[:-1]).all(-1).float().mean().item() for index in decoded)
+    return used, same, gates[0].weight.shape[0]
+
+
+def print_routing_spreads(folders: dict[str, Path], prompt_ids: list[int], new_tokens: int) -> None:
+    for name, folder in folders.items():
+        spread = routing_spread(folder, prompt_ids, new_tokens)
+        if spread:
+            print(f"{name}: over {new_tokens} greedy tokens each MoE layer used {spread[0]:.1f} of its "
+                  f"{spread[2]} routed experts (mean of layers); {spread[1]:.0%} of tokens took the same experts as "
+                  "the token before")  # fmt: skip
 
 
 def read_bytes_per_token(gguf_file: Path) -> int:
@@ -179,7 +220,7 @@ def print_fixed_cost_fits(rates: dict[str, list[float]], step_bytes: dict[str, i
               f"{len(names)} models, largest residual {worst:.2f} ms)")  # fmt: skip
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, nargs="+", help="splits k/n (default 2 4 6; none with --presets)")
     parser.add_argument("--num-experts", type=int, default=8, help="of the splits (k/n); n/n does the dense FLOPs")
@@ -188,8 +229,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--presets", nargs="+", default=[], help="presets' layouts instead of the splits")
+    parser.add_argument("--folders", nargs="+", default=[], help="converted folders as they are, beside the rest")
     parser.add_argument("--repack", choices=["auto", "on", "off"], default="auto", help="llama.cpp's weight repacking")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     import llama_cpp
     import torch
     from transformers import AutoTokenizer
@@ -201,8 +247,8 @@ def main() -> None:
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
     with tempfile.TemporaryDirectory() as tmp:
-        top_ks = args.top_k or ([] if args.presets else [2, 4, 6])
-        files = exported_models(Path(tmp), top_ks, args.outtypes, args.presets, args.num_experts)
+        top_ks = args.top_k or ([] if args.presets or args.folders else [2, 4, 6])
+        files, folders = exported_models(Path(tmp), top_ks, args.outtypes, args.presets, args.num_experts, args.folders)
         repack = repacking(args.repack, args.outtypes)
         models = load_models(files, args.threads, repack)
         step_bytes = {name: read_bytes_per_token(path) for name, path in files.items()}
@@ -217,6 +263,7 @@ def main() -> None:
                     rates[name].append(rate)
                     own_ms[name].append(ms)
                     prefill[name].append(filled)
+        print_routing_spreads(folders, prompt_ids, args.new_tokens)
     print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, {args.new_tokens} greedy tokens, "
           f"median of {args.rounds} interleaved rounds; weight repacking {'on' if repack else 'off'}; copy "
           f"bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
