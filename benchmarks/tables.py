@@ -14,10 +14,11 @@ shows the rows of its latest run, in file order. `benchmarks.common.record` appe
 and date filled in. Rows transcribed from earlier docs keep the command and date their table was recorded with
 (the date of the commit that added it where the docs gave none).
 
-Three tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
+Some tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
 the tutorial ratio), `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
-all cases; later single-case reruns stay in the file and the prose) and `btx` (results/btx.jsonl's last whole run, from its
-dense row, with the rows `btx_run.py eval --only` rescored or added after it).
+all cases; later single-case reruns stay in the file and the prose), `btx` (results/btx.jsonl's last whole run, from
+its dense row, with the rows `btx_run.py eval --only` rescored or added after it) and `behaviour_choose` /
+`behaviour_confirm` (results/behaviour.jsonl's latest row of each model on that prompt set).
 """
 
 import argparse
@@ -137,7 +138,9 @@ def btx_table(rows: list[dict]) -> str:
     """benchmarks/quality/btx_run.py's rows (the latest of each model): perplexity per text, each stage's tokens and
     time."""
     mine = [row for row in rows if row.get("table") == "btx"]
-    start = max((i for i, row in enumerate(mine) if row["stage"] == "none"), default=0)  # a whole run scores dense first
+    start = max(
+        (i for i, row in enumerate(mine) if row["stage"] == "none"), default=0
+    )  # a whole run scores dense first
     latest = {}
     for row in mine[start:]:
         latest[row["model"]] = row  # a later row (`--only`) replaces the model's earlier one and keeps its place
@@ -160,7 +163,49 @@ GPU_ATTN_MOE_PROBES = Table(
     ],
 )
 
+BEHAVIOUR_TEXTS = {"choose": ("manpages",), "confirm": ("licences", "howto")}  # benchmarks/quality/behaviour.py
+
+
+def behaviour_table(rows: list[dict], prompt_set: str) -> str:
+    """benchmarks/quality/behaviour.py's rows of one prompt set, the latest of each model in its first place: the
+    answers next to the dense model's, then KL, next-token agreement and perplexity ratio per text."""
+    latest = {}
+    for row in rows:
+        if row.get("set") == prompt_set:
+            latest[row["model"]] = row
+    texts = BEHAVIOUR_TEXTS[prompt_set]
+    headers = [
+        "model",
+        "answers as dense's (12 tokens)",
+        "whole",
+        "KL over dense's answers",
+        "checkable right vs dense",
+    ]
+    for text in texts:
+        headers += [f"{text} KL", f"{text} same next token", f"{text} perplexity vs dense"]
+    return markdown(
+        headers, "|---|" + "---:|" * (len(headers) - 1), [_behaviour_cells(r, texts) for r in latest.values()]
+    )
+
+
+def _behaviour_cells(row: dict, texts) -> list[str]:
+    n = row["prompts"]
+    cells = [
+        f"`{row['model']}`",
+        f"{row['answers_match_12']:.1%} ({round(row['answers_match_12'] * n)}/{n})",
+        f"{row['answers_whole']:.1%}",
+        f"{row['answer_kl']:.3f}",
+        f"{row['accuracy_share']:.0%}",
+    ]
+    for text in texts:
+        ratio = row[f"{text}_perplexity"] / row[f"{text}_dense_perplexity"]
+        cells += [f"{row[f'{text}_kl']:.3f}", f"{row[f'{text}_agreement']:.1%}", f"{ratio:.2f}x"]
+    return cells
+
+
 SCRIPT_TABLES = {
+    "behaviour_choose": lambda: behaviour_table(read_rows("behaviour.jsonl"), "choose"),
+    "behaviour_confirm": lambda: behaviour_table(read_rows("behaviour.jsonl"), "confirm"),
     "sparsity": lambda: sparsity_table([row for row in read_rows("sparsity.jsonl") if "method" in row]),
     "training_memory": lambda: training_memory_table(read_rows("training_memory.jsonl")),
     "btx": lambda: btx_table(read_rows("btx.jsonl")),  # the last whole run and the rows rescored after it

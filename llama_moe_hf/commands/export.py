@@ -25,7 +25,9 @@ def register(subparsers) -> None:
         epilog=targets_text(),
         dataclass_types=[ExportOptions, *option_classes()],
     )
-    parser.add_argument("model", help="converted model folder (written by llama-moe convert)")
+    parser.add_argument(
+        "model", help="converted model folder (written by llama-moe convert), or `default` (the built-in dense model)"
+    )
     for action in parser._actions:
         if action.dest == "to":
             action.choices = list(TARGETS)
@@ -62,6 +64,7 @@ def run(args) -> None:
         overwrite=args.overwrite,
         dtype=args.dtype,
         progress=args.progress,
+        eval=args.eval,
         **target_options(args),
     )
     for note in result.notes:

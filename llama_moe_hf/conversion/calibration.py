@@ -20,6 +20,9 @@ from .statistics import CalibrationStatistics, LayerCalibration, collect_calibra
 
 logger = logging.getLogger(__name__)
 
+CHAT_DATA = "builtin:chat"  # made by the dense model itself (`text.chat`), not read from a file
+CHAT_MIXED_DATA = "builtin:chat-mixed"  # those conversations and builtin:mixed's text in turn
+
 
 @contextlib.contextmanager
 def transformers_progress_bars(enabled: bool):
@@ -116,6 +119,7 @@ class CalibrationContext:
         self._embeddings_requested = False
         self._importance: dict[str, dict[int, LayerCalibration]] = {}
         self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
+        self._chats = None  # `text.chat.SelfDistilledChats`, for `builtin:chat`
 
     def serves(self, recipe) -> bool:
         """Whether this context's statistics are those `recipe`'s calibration settings give (to share it)."""
@@ -246,12 +250,15 @@ class CalibrationContext:
 
     def _tokenize(self, num_tokens: int) -> torch.LongTensor:
         r = self.recipe
-        texts, self.data_description = load_texts(
-            r.calibration_data,
-            max_chars=16 * num_tokens,  # a streamed dataset stops early
-        )
         if self._load_tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
+        if r.calibration_data in (CHAT_DATA, CHAT_MIXED_DATA):
+            texts, self.data_description = self._chat_texts(num_tokens)
+        else:
+            texts, self.data_description = load_texts(
+                r.calibration_data,
+                max_chars=16 * num_tokens,  # a streamed dataset stops early
+            )
         input_ids = tokenize_calibration(texts, self._load_tokenizer(), num_tokens, r.calibration_seq_len)
         num_sequences, seq_len = input_ids.shape
         logger.info("Calibration data: %s -> %d sequences of %d tokens.", self.data_description, num_sequences, seq_len)
@@ -262,7 +269,36 @@ class CalibrationContext:
         """Whether calibration tokens were used (then `conversion_info` records the calibration settings)."""
         return self._input_ids is not None
 
+    def _chat_texts(self, num_tokens: int) -> tuple[list[str], str]:
+        """`builtin:chat`: conversations answered by the dense model (`text.chat`), made once and extended when more
+        tokens are asked for; `builtin:chat-mixed`: those and `builtin:mixed`'s documents in turn, each cut to about
+        a conversation's length (`text.chat.with_text`); `builtin:mixed` for a tokenizer without a chat template."""
+        mixed = self.recipe.calibration_data == CHAT_MIXED_DATA
+        if self._chats is None:
+            from ..text.chat import SelfDistilledChats
+
+            tokenizer = self._load_tokenizer()
+            if not tokenizer.chat_template:
+                what = self.recipe.calibration_data
+                logger.warning("The tokenizer has no chat template: calibrating on builtin:mixed instead of %s.", what)
+                return load_texts("builtin:mixed")
+            self._chats = SelfDistilledChats(self.model(), tokenizer, progress=self.progress)
+        if not mixed:
+            return self._chats.texts(num_tokens), self._chats.description()
+        from ..text.chat import with_text
+
+        texts = with_text(self._chats.texts(num_tokens * 3 // 5))  # about half the tokens (a margin: never short)
+        return texts, f"{self._chats.description()}, in turn with builtin:mixed's documents"
+
     def release(self) -> None:
-        """Drop the dense model (the statistics stay), so that the streaming write holds about one layer."""
+        """Drop the dense model (the statistics stay), so that the streaming write holds about one layer. Text that
+        only the dense model can make (`builtin:chat`) is made first, as much as healing will read."""
+        r = self.recipe
+        needed = r.heal_tokens + r.joint_heal_tokens
+        made_here = r.calibration_data in (CHAT_DATA, CHAT_MIXED_DATA) and self.data_description != "given token ids"
+        if made_here and (needed or self.used) and not self._released:
+            self.tokens(max(needed, r.calibration_tokens))
+        if self._chats is not None:
+            self._chats.model = None
         self._model = None
         self._released = True

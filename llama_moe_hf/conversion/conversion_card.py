@@ -14,6 +14,7 @@ from ..hub.card import (
     public_recipe,
     usage_section,
 )
+from .target import MLP
 
 
 def human_count(count: int) -> str:
@@ -41,7 +42,7 @@ def render_model_card(
 A Mixture-of-Experts model converted from the dense {base_text} with
 [llama-moe-hf]({PROJECT_URL}) (LLaMA-MoE-style expert construction).
 
-This checkpoint was converted, not trained. {notes}
+{training_note(plan, notes)}
 {quality_section(quality)}
 ## Conversion
 
@@ -99,6 +100,11 @@ def _settings_rows(plan, source) -> str:
     joint = (plan.config.conversion_info or {}).get("joint_healing")
     if joint:
         text = "{tokens:,} calibration tokens, next-token KL to the dense model {kl_first_steps} -> {kl_last_steps}"
+        if "held_out_kl_before" in joint:
+            text = (
+                "{tokens:,} calibration tokens, KL weight {kl_weight}, next-token KL to the dense model on held-back "
+            )
+            text += "text {held_out_kl_before} -> {held_out_kl_after}"
         settings.append(("All layers healed jointly", text.format(**joint)))
     return "\n".join(f"| {name} | {value} |" for name, value in settings)
 
@@ -112,14 +118,49 @@ def _source_family_text(config) -> str:
     return f"`{family.name}`: {family.description} ({kept})"
 
 
+def training_note(plan, notes: str) -> str:
+    """Whether the weights were trained after the conversion (healing), on what and how much; else the methods'
+    notes on what to expect of an untrained conversion."""
+    recipe, info = plan.recipe, plan.config.conversion_info or {}
+    joint = info.get("joint_healing")
+    if not recipe.heal_tokens and not joint:
+        return f"This checkpoint was converted, not trained. {notes}"
+    stages = []
+    if recipe.heal_tokens:
+        passes = f"{recipe.heal_epochs} pass{'es' if recipe.heal_epochs > 1 else ''}"
+        stages.append(
+            f"each MoE layer in turn on {recipe.heal_tokens:,} tokens ({passes}), router and experts "
+            f"together, to reproduce the dense model's {'hidden states' if recipe.heal_target == 'stream' else 'MLP'}"
+        )
+    if joint:
+        held = joint.get("held_out_kl_before")
+        change = f"; KL to the dense model on held-back text {held} -> {joint['held_out_kl_after']}" if held else ""
+        weight = joint.get("kl_weight", 0.5)
+        loss = "the KL alone" if weight == 1 else f"the KL at weight {weight}, the text's own loss at {1 - weight:g}"
+        stages.append(
+            f"then every layer together on {joint['tokens']:,} tokens towards the dense model's next-token "
+            f"distributions ({loss}{change})"
+        )
+    _, router = plan.components[MLP] if MLP in plan.components else next(iter(plan.components.values()))
+    return (
+        f"Healed after conversion, towards its dense source: {'; '.join(stages)}. Training text: "
+        f"{public(info.get('calibration_data', 'the calibration data'))}. The routers were initialised `{router.name}` "
+        "and trained in healing."
+    )
+
+
 def quality_section(quality) -> str:
     """What the conversion's quick check measured (`quick_check.QuickCheck`), if it ran."""
     if quality is None:
         return ""
-    return f"""
-**Measured after conversion**: {absolute_doc_links(quality.describe())}. `llama-moe eval` measures more (other text,
-lm-eval tasks).
-"""
+    lines = "\n".join(f"- {line}" for line in quality.lines())
+    return absolute_doc_links(f"""
+**Measured after conversion** against the dense model, on nothing it was calibrated on:
+
+{lines}
+
+`llama-moe eval` measures more (other text, lm-eval tasks); the presets' measurements: docs/quality.md.
+""")
 
 
 def write_model_card(folder: Path, plan, source, total: int, active: int, quality=None, extra: str = "") -> Path:

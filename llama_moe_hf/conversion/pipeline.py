@@ -3,7 +3,8 @@
     recipe + run options -> resolve (before the source is opened) -> open the source -> plan -> calibration context
         -> every calibration pass, then the dense model is freed -> tensors streamed into shards -> config, code,
         tokenizer -> [every layer healed jointly against the dense model, the weights written again] -> recipe ->
-        quick perplexity check against the dense model -> card -> the temporary folder replaces the output
+        quick check against the dense model (answers, other-domain text) -> card -> the temporary folder replaces
+        the output
 
 A failed or interrupted conversion leaves nothing behind and never touches its source.
 """
@@ -33,7 +34,7 @@ class ConversionResult:
     files: list[str] = field(default_factory=list)
     recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
     pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
-    quality: object | None = None  # `quick_check.QuickCheck`: perplexity next to the dense model's (`eval`)
+    quality: object | None = None  # `quick_check.QuickCheck`: what it kept of the dense model (`eval`)
 
 
 def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
@@ -158,31 +159,44 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
         max_shard_size=run.max_shard_size,
         device=device,
         progress=run.progress,
+        kl_weight=recipe.joint_heal_kl_weight,
     )
     plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing": info}
     plan.config.save_pretrained(folder)
 
 
 def quality_check(folder: Path, source, run: RunOptions, total: int):
-    """`quick_check.quick_check` of the written folder, unless `eval` is off, the model is too large for a quick
-    check, or the source has no tokenizer (each logged)."""
-    from .calibration import transformers_progress_bars
-    from .quick_check import MAX_PARAMETERS, quick_check
-
+    """`quick_check.quick_check` of the written folder against its source, unless `eval` is off, the model is too
+    large for a quick check, or the source has no tokenizer (each logged)."""
     if not run.eval:
-        return None
-    if total > MAX_PARAMETERS:
-        logger.info("Quick perplexity check skipped (%s parameters): run `llama-moe eval` on the output.", f"{total:,}")
         return None
     try:
         tokenizer = source.load_tokenizer()
     except (OSError, ValueError) as error:
-        logger.info("Quick perplexity check skipped: the source has no tokenizer (%s).", error)
+        logger.info("Quick check skipped: the source has no tokenizer (%s).", error)
         return None
-    logger.info("Checking the result's perplexity against the dense model's (--no-eval skips this)...")
-    with transformers_progress_bars(run.progress):
-        check = quick_check(folder, source, tokenizer, device=run.device)
-    logger.info("%s", check.describe())
+    return run_quick_check(folder, source.load_model, tokenizer, total, run.device, run.progress)
+
+
+def run_quick_check(
+    folder: Path, load_dense, tokenizer, total: int, device=None, progress=True, reference="the dense model"
+):
+    """The quick check with its log lines (convert, merge and export share it); None where the model is too large."""
+    from .calibration import transformers_progress_bars
+    from .quick_check import MAX_PARAMETERS, TEXT_DESCRIPTION, quick_check
+
+    if total > MAX_PARAMETERS:
+        logger.info("Quick check skipped (%s parameters): run `llama-moe eval` on the output.", f"{total:,}")
+        return None
+    logger.info(
+        "Checking the result against %s: its answers to chat prompts, and %s (--no-eval skips this)...",
+        reference,
+        TEXT_DESCRIPTION,
+    )
+    with transformers_progress_bars(progress):
+        check = quick_check(folder, load_dense, tokenizer, device=device, reference=reference)
+    for line in check.lines():
+        (logger.warning if line.startswith("warning") else logger.info)("%s", line)
     return check
 
 

@@ -88,7 +88,10 @@ class RecipeFields:
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of random splits and router inits"})
     calibration_data: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "text/json/jsonl/parquet file or folder, or a datasets name (default: built-in corpus)"},
+        metadata={
+            "help": "text/json/jsonl/parquet file or folder, a datasets name, builtin:mixed, or builtin:chat (chat "
+            "prompts answered by the dense model, in its chat template) (default: built-in corpus of docstrings)"
+        },
     )
     calibration_tokens: int = dataclasses.field(default=8192, metadata={"help": "calibration tokens"})
     calibration_seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per calibration sequence"})
@@ -135,6 +138,13 @@ class RecipeFields:
         },
     )
     joint_heal_lr: float = dataclasses.field(default=2e-4, metadata={"help": "joint healing: AdamW learning rate"})
+    joint_heal_kl_weight: float = dataclasses.field(
+        default=0.5,
+        metadata={
+            "help": "joint healing: weight of the KL to the dense model against the calibration text's LM loss (1: "
+            "KL alone, pure distillation)"
+        },
+    )
 
     def check(self) -> None:
         """One ValueError for the first impossible value among these fields (types, ranges, choices)."""
@@ -164,6 +174,8 @@ class RecipeFields:
             )
         if self.joint_heal_lr <= 0:
             raise ValueError(f"--joint-heal-lr must be > 0, got {self.joint_heal_lr}.")
+        if not 0 <= self.joint_heal_kl_weight <= 1:
+            raise ValueError(f"--joint-heal-kl-weight must be between 0 and 1, got {self.joint_heal_kl_weight}.")
         if self.heal_tokens < 0:
             raise ValueError(f"--heal-tokens must be >= 0, got {self.heal_tokens}.")
         if not self.heal_tokens:

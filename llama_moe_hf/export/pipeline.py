@@ -8,6 +8,7 @@ A refused or failed export leaves nothing behind (`atomic_folder`), and never to
 """
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,12 @@ class ExportOptions:
         default=None, metadata={"help": "weights dtype (default: the checkpoint's)", "choices": DTYPES}
     )
     progress: bool = dataclasses.field(default=True, metadata={"help": "show a progress bar"})
+    eval: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "check the written model against its source in its dtype: answers and text (the quick check)"
+        },
+    )
 
 
 @dataclasses.dataclass
@@ -37,6 +44,7 @@ class ExportResult:
     target: str
     files: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    quality: object | None = None  # `quick_check.QuickCheck` against the source folder, where it ran
 
 
 @dataclasses.dataclass
@@ -75,7 +83,7 @@ def target_tensors(target, checkpoint, meta: bool = False) -> Iterator[tuple[str
 
 
 def export_model(
-    model, to: str, output, *, overwrite: bool = False, dtype: str | None = None, progress: bool = True, **options
+    model, to: str, output, *, overwrite=False, dtype: str | None = None, progress=True, eval=True, **options
 ) -> ExportResult:
     """Export the converted model folder `model` exactly into target `to` (`TARGETS`: mixtral, qwen2_moe, gguf),
     writing the folder `output`; `options`: the target's options by name. What the target cannot express exactly
@@ -83,12 +91,16 @@ def export_model(
 
         export_model("smollm2-moe", "mixtral", "smollm2-mixtral")
         export_model("smollm2-moe", "gguf", "smollm2-gguf", dtype="bfloat16", tokenizer_pre="smollm")
+        export_model("default", "gguf", "smollm2-gguf")   # the dense default model, to compare in the same engine
+
+    With `eval`, a folder transformers loads is checked against the source (`check_export`) before it is renamed.
     """
     import torch
 
     from ..checkpoints.atomic import atomic_folder
     from ..checkpoints.converted import open_checkpoint
     from ..conversion.pipeline import check_not_source, check_output
+    from ..loading import DEFAULT_MODEL, model_folder
     from ..registry import option_names
     from .checkpoint import check_compensation
 
@@ -96,10 +108,10 @@ def export_model(
     unknown = sorted(set(options) - option_names(target_class))
     if unknown:
         raise ValueError(f"Export target {to!r} has no options {unknown}.")
-    run = ExportOptions(to=to, output=str(output), overwrite=overwrite, dtype=dtype, progress=progress)
+    run = ExportOptions(to=to, output=str(output), overwrite=overwrite, dtype=dtype, progress=progress, eval=eval)
     check_dtype(dtype)
     destination = check_output(run)  # the same rules and messages as `convert`
-    checkpoint = open_checkpoint(model)
+    checkpoint = open_checkpoint(model_folder(model) if str(model) == DEFAULT_MODEL else model)
     check_not_source(destination, checkpoint)
     target = target_class(checkpoint.config, target_class.Options(**options))
     target.check()
@@ -108,4 +120,34 @@ def export_model(
     weights_dtype = getattr(torch, dtype) if dtype else checkpoint.dtype
     with atomic_folder(destination) as tmp:
         files = target.write(ExportJob(checkpoint, target, tmp, weights_dtype, plan, progress))
-    return ExportResult(destination, to, files, target.notes)
+        quality = check_export(tmp, checkpoint, progress) if eval else None
+    return ExportResult(destination, to, files, target.notes, quality)
+
+
+def check_export(folder: Path, checkpoint, progress: bool = True):
+    """The quick check of an exported folder against the folder it was exported from (None where transformers
+    cannot load the output, or the source has no tokenizer: said in the log)."""
+    import logging
+
+    import torch
+
+    from ..checkpoints.writer import read_shapes
+    from ..conversion.pipeline import run_quick_check
+
+    log = logging.getLogger(__name__)
+    if not (folder / "config.json").is_file():
+        log.info("Not checked here (transformers does not run this file): compare it with its source in its engine.")
+        return None
+    try:
+        tokenizer = checkpoint.load_tokenizer()
+    except (OSError, ValueError) as error:
+        log.info("Quick check skipped: the source has no tokenizer (%s).", error)
+        return None
+
+    def load_source(dtype, device):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=dtype or torch.float32).to(device)
+
+    total = sum(math.prod(shape) for shape in read_shapes(folder).values())
+    return run_quick_check(folder, load_source, tokenizer, total, progress=progress, reference="its source folder")

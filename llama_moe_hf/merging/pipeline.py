@@ -153,6 +153,7 @@ def _merge_and_export(output: Path, plan) -> ConversionResult:
     import dataclasses
 
     from ..checkpoints.atomic import atomic_file
+    from ..conversion.pipeline import quality_check
     from ..export import export_model
 
     run = plan.run
@@ -161,10 +162,14 @@ def _merge_and_export(output: Path, plan) -> ConversionResult:
         merged = Path(staging) / "llama_moe"
         plan.run = dataclasses.replace(run, output=str(merged), overwrite=False, eval=False)
         result = _merge_into(merged, plan)
-        exported = export_model(merged, plan.merge.architecture, output, overwrite=run.overwrite, progress=run.progress)
+        exported = export_model(
+            merged, plan.merge.architecture, output, overwrite=run.overwrite, progress=run.progress, eval=False
+        )
     for note in exported.notes:
         logger.info("note: %s", note)
     with atomic_file(output / MERGE_RECIPE_FILE) as tmp:
         save_merge_recipe(tmp, plan.merge)
+    # Checked as written, in the exported family and dtype, against the base model (as a merge into llama_moe is)
+    result.quality = quality_check(output, plan.source.base, run, result.total_parameters)
     result.output_dir, result.files = output, sorted(p.name for p in output.iterdir())
     return result

@@ -119,6 +119,11 @@ BUILTIN_CORPORA = ("docstrings", "mixed")  # `builtin:NAME`; None is the first
 
 def builtin_corpus(name: str = "docstrings") -> tuple[list[str], str]:
     """A built-in corpus (see the module's docstring) and a one-line description of it."""
+    if name in ("chat", "chat-mixed"):
+        raise ValueError(
+            f"builtin:{name} is written by the dense model during a conversion (`llama-moe convert`, text/chat.py); "
+            "it is no text to read here: `llama-moe offline-data --chat-tokens N` writes it to a file."
+        )
     if name not in BUILTIN_CORPORA:
         raise ValueError(f"Unknown built-in corpus {name!r}: choose one of {', '.join(BUILTIN_CORPORA)}.")
     texts, description = _mixed_corpus() if name == "mixed" else _docstrings_corpus()

@@ -494,3 +494,26 @@ def test_export_help_imports_neither_torch_nor_transformers():
     imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
     assert "llama_moe_hf.export.registry" in imported
     assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers", "gguf")}
+
+
+def test_an_exported_folder_is_checked_against_its_source_in_its_dtype(converted, tmp_path, caplog):
+    """The exported Mixtral equals its source, so the check finds it as good as its source, in bfloat16 too; a
+    GGUF file is said not to be checked here; `--no-eval` skips the check."""
+    with caplog.at_level("INFO", logger="llama_moe_hf"):
+        result = export_model(converted["random"], "mixtral", tmp_path / "m", dtype="bfloat16", progress=False)
+    check = result.quality
+    assert check.dtype == "bfloat16" and check.reference == "its source folder"
+    assert check.kl < 0.02 and "as good as its source folder" in check.verdict()
+    assert "Checking the result against its source folder" in caplog.text
+    with caplog.at_level("INFO", logger="llama_moe_hf"):
+        assert export_model(converted["random"], "gguf", tmp_path / "g", progress=False).quality is None
+    assert "Not checked here" in caplog.text
+    assert export_model(converted["random"], "mixtral", tmp_path / "n", eval=False, progress=False).quality is None
+
+
+def test_export_default_writes_the_built_in_dense_model(tmp_path, monkeypatch, tiny_dense):
+    from llama_moe_hf import loading
+
+    monkeypatch.setattr(loading, "model_folder", lambda spec, **_: tiny_dense[0])  # the built-in one, in small
+    result = export_model("default", "gguf", tmp_path / "gguf", progress=False)
+    assert (result.output_dir / "model.gguf").is_file()

@@ -267,3 +267,39 @@ def test_context_loads_once_runs_one_pass_and_releases(tiny_model, monkeypatch):
     assert context.mlp(1).mean_activation.shape == (96,)  # recorded statistics stay
     with pytest.raises(RuntimeError, match="released"):  # a new pass would need the model again
         context.importance("other", [0], num_groups=1)
+
+
+def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(caplog):
+    """`builtin:chat`: calibration prompts answered by the dense model, made before it is released, as much as the
+    healing stages will read; no held-out prompt among them."""
+    from helpers import CHAT_TEMPLATE, char_tokenizer
+
+    from llama_moe_hf.text.prompts import prompts
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_llama().eval()
+    recipe = MoERecipe(calibration_data="builtin:chat", calibration_tokens=512, heal_tokens=512, joint_heal_tokens=1024)
+    loads = []
+    context = CalibrationContext(
+        recipe, lambda *_: loads.append(1) or model, lambda: tokenizer, device="cpu", progress=False
+    )
+    assert context.input_ids.shape == (2, 256)
+    context.release()  # makes the heal stages' 1,536 tokens now: the model is gone after this
+    assert context.tokens(1536).shape == (6, 256) and loads == [1]
+    assert context.data_description.startswith("built-in corpus chat:")
+    texts = context._chats.texts(1536)
+    calibration = [p.text for p in prompts("calibration")]
+    assert all(text.startswith(f"user: {prompt}\nassistant: ") for text, prompt in zip(texts, calibration))
+    held_out = {p.text for split in ("check", "choose", "confirm") for p in prompts(split)}
+    assert not any(prompt in held_out for prompt, _ in context._chats.pairs)
+
+
+def test_builtin_chat_without_a_chat_template_falls_back_to_the_mixed_corpus(caplog):
+    from helpers import char_tokenizer
+
+    recipe = MoERecipe(calibration_data="builtin:chat", calibration_tokens=512)
+    context = CalibrationContext(recipe, lambda *_: tiny_llama(), char_tokenizer, device="cpu", progress=False)
+    with caplog.at_level("WARNING"):
+        assert context.input_ids.shape == (2, 256)
+    assert "no chat template" in caplog.text and context.data_description.startswith("built-in corpus mixed")

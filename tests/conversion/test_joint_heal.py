@@ -42,7 +42,8 @@ def test_joint_healing_brings_the_model_closer_to_the_dense_one(converted, tiny_
     plain, healed = converted
     assert objective(healed, tiny_dense) < 0.9 * objective(plain, tiny_dense)
     info = load_moe(healed).config.conversion_info["joint_healing"]
-    assert info["tokens"] == 8192 and info["steps"] == 8 and info["lr"] == 3e-3
+    assert info["tokens"] == 8192 and info["steps"] == 7 and info["lr"] == 3e-3  # the last batch held back
+    assert info["held_out_kl_after"] < info["held_out_kl_before"] and info["kl_weight"] == 0.5
 
 
 def test_joint_healing_rewrites_the_weights_in_place_and_says_so(converted):
@@ -72,7 +73,7 @@ def test_build_moe_heals_jointly_as_the_conversion_does(converted, tiny_dense):
     assert not built.training
     written = load_moe(converted[1])
     torch.testing.assert_close(logits(built, tiny_dense[1]), logits(written, tiny_dense[1]), rtol=1e-4, atol=1e-4)
-    assert built.config.conversion_info["joint_healing"]["steps"] == 8
+    assert built.config.conversion_info["joint_healing"]["steps"] == 7
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,7 @@ def test_build_moe_heals_jointly_as_the_conversion_does(converted, tiny_dense):
         (dict(joint_heal_tokens=100), "--joint-heal-tokens"),
         (dict(joint_heal_tokens=-256), "--joint-heal-tokens"),
         (dict(joint_heal_tokens=256, joint_heal_lr=0.0), "--joint-heal-lr"),
+        (dict(joint_heal_tokens=256, joint_heal_kl_weight=1.5), "--joint-heal-kl-weight"),
     ],
 )
 def test_joint_heal_settings_are_checked_before_the_source_is_read(tmp_path, fields, message):
@@ -97,3 +99,12 @@ def test_joint_healing_trains_on_the_tokens_after_the_layer_wise_heals(heal_toke
     given = torch.arange(16 * 256).view(16, 256)
     context = CalibrationContext(recipe, load_model=None, input_ids=given)
     torch.testing.assert_close(joint_heal_tokens(context, recipe), given[rows.start : rows.stop])
+
+
+def test_a_joint_stage_that_ends_further_from_the_dense_model_says_so(tiny_dense, tmp_path, caplog):
+    diverging = dict(SPLIT, joint_heal_tokens=4096, joint_heal_lr=1.0, joint_heal_kl_weight=1.0)
+    with caplog.at_level("WARNING"):
+        result = convert_to_moe(tiny_dense[0], tmp_path / "moe", progress=False, eval=False, **diverging)
+    info = load_moe(result.output_dir).config.conversion_info["joint_healing"]
+    assert info["held_out_kl_after"] > info["held_out_kl_before"]
+    assert "ended further from the dense model than it began" in caplog.text

@@ -112,6 +112,20 @@ def test_the_export_equals_the_merged_model_in_transformers(family, architecture
     assert (out / "merge_recipe.yaml").is_file()
 
 
+def test_a_merge_exported_to_a_stock_family_is_checked_as_written(tmp_path, caplog):
+    base, folders, _ = sources(tmp_path, "mistral")
+    config = MergeConfig(
+        experts=tuple(ExpertSource(str(e)) for e in folders),
+        base_model=str(base),
+        gate_mode="random",
+        experts_per_token=1,
+        architecture="mixtral",
+    )
+    with caplog.at_level("INFO", logger="llama_moe_hf"):
+        result = merge(config, RunOptions(output=str(tmp_path / "out"), **{**RUN, "eval": True}))
+    assert result.quality is not None and "Checking the result against the dense model" in caplog.text
+
+
 def test_non_ffn_average_and_the_difference_report(tmp_path, caplog):
     base, folders, experts = sources(tmp_path, "llama", count=2)
     moved = copy.deepcopy(experts[0])

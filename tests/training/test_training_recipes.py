@@ -353,3 +353,22 @@ def test_offline_data_has_disjoint_held_out_splits_and_correct_worked_answers(tm
         steps = re.findall(r"(\d+(?: [-+x/] \d+)+) = (\d+)", answer)
         assert steps and all(eval(expr.replace("x", "*")) == int(value) for expr, value in steps), answer
         assert answer.endswith(f"The answer is {steps[-1][1]}."), answer
+
+
+def test_offline_data_chat_is_the_dense_models_own_answers(tmp_path, monkeypatch):
+    """`--chat-tokens`: calibration prompts answered by the dense model, as text for distillation and as
+    prompt/completion chats for SFT, the same conversations in both."""
+    from helpers import CHAT_TEMPLATE, char_tokenizer, tiny_llama
+
+    from llama_moe_hf import loading
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (tiny_llama().eval(), tokenizer, tmp_path))
+    options = OfflineDataOptions(output=str(tmp_path / "data"), items_per_domain=20, chat_tokens=1024)
+    counts = build_offline_data(options)
+    assert sum(counts["pretrain/chat"].values()) == sum(counts["sft/self"].values()) >= 4
+    text = json.loads((tmp_path / "data/pretrain/chat/train.jsonl").read_text().splitlines()[0])["text"]
+    chat = json.loads((tmp_path / "data/sft/self/train.jsonl").read_text().splitlines()[0])
+    prompt, answer = chat["prompt"][0]["content"], chat["completion"][0]["content"]
+    assert text == f"user: {prompt}\nassistant: {answer}\n"

@@ -135,12 +135,13 @@ def _meta_model(config):
 
 
 def _healer(moe, teacher, recipe, options: HealOptions, model, state_dir: Path):
-    from ...text.documents import load_texts
-    from ..calibration import tokenize_calibration
+    from ..calibration import CalibrationContext
     from .layer import LayerHealer
 
-    texts, _ = load_texts(recipe.calibration_data, max_chars=16 * recipe.heal_tokens)
-    tokens = tokenize_calibration(texts, moe.load_tokenizer(), recipe.heal_tokens, recipe.calibration_seq_len)
+    # The conversion's own way to its calibration tokens: `builtin:chat` has the teacher answer its prompts
+    context = CalibrationContext(recipe, teacher.load_model, moe.load_tokenizer, device=options.device, progress=False)
+    tokens = context.tokens(recipe.heal_tokens)
+    context.release()
     identity = json.dumps([_weights_identity(moe.path), teacher.description])
     embeddings = moe.tensor("model.embed_tokens.weight")
     return LayerHealer.for_model(recipe, model, embeddings, tokens, options.device, state_dir, identity)

@@ -7,8 +7,9 @@ from .base import CalibratedSplit
 @METHODS.register("residual")
 class ResidualSplit(CalibratedSplit):
     description = (
-        "LLaMA-MoE v2 residual MoE: router rows are balanced k-means centroids of the MLP inputs; per-expert "
-        "importance over the tokens each expert receives; the most shared neurons form the shared experts."
+        "LLaMA-MoE v2 residual MoE: the MLP inputs grouped by balanced k-means, each expert the neurons most "
+        "important to its group's tokens, the most shared neurons the shared experts (its default router routes by "
+        "the groups' centroids)."
     )
     default_router_init = "kmeans"  # v2 routes by the centroids its experts were built from
 
