@@ -191,12 +191,9 @@ def score(model, reference: Reference, max_new_tokens: int = MAX_NEW_TOKENS) -> 
     """`model`'s answers and text distributions against the dense `reference`."""
     model.eval()
     answers = greedy_answers(model, reference.prompt_ids, reference.eos, max_new_tokens)
-    match, whole, prefix = [], [], []
-    for answer, dense in zip(answers, reference.answers):
-        n = min(MATCH_TOKENS, len(dense))
-        match.append(len(answer) >= n and torch.equal(answer[:n], dense[:n]))
-        whole.append(torch.equal(answer, dense))
-        prefix.append(_common_prefix(answer, dense) / max(1, len(dense)))
+    match = matches(answers, reference.answers)
+    whole = [torch.equal(answer, dense) for answer, dense in zip(answers, reference.answers)]
+    prefix = [_common_prefix(a, d) / max(1, len(d)) for a, d in zip(answers, reference.answers)]
     kl_sum, kl_tokens = 0.0, 0
     for dense_lp, lp in zip(reference.answer_logprobs, _logprobs(model, *_answer_sequences(reference))):
         kl_sum, kl_tokens = kl_sum + _kl(dense_lp, lp).sum().item(), kl_tokens + len(lp)
@@ -205,6 +202,15 @@ def score(model, reference: Reference, max_new_tokens: int = MAX_NEW_TOKENS) -> 
     kinds = [p.kind for p in reference.prompts]
     answer_kl = kl_sum / kl_tokens if kl_tokens else None
     return Scores(answers, match, whole, prefix, answer_kl, correct, reference.dense_correct, texts, kinds)
+
+
+def matches(answers, dense_answers) -> list[bool]:
+    """Whether each answer begins as the dense one: its first `MATCH_TOKENS` tokens, all of it when shorter."""
+    found = []
+    for answer, dense in zip(answers, dense_answers):
+        n = min(MATCH_TOKENS, len(dense))
+        found.append(len(answer) >= n and torch.equal(answer[:n], dense[:n]))
+    return found
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

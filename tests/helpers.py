@@ -351,3 +351,22 @@ def export_refusal(argv: list[str], capsys) -> str:
     assert error.startswith("error: ") and "\n" not in error, error
     assert not Path(output).exists()
     return error
+
+
+def quick_check_scores(match: float | None = 1.0, kl: float = 0.0, ratio: float = 1.0) -> dict:
+    """The numbers `quick_check.QuickCheck` holds, for 24 check prompts (`match` None: no chat template) and 512
+    tokens of licence text at a KL of `kl` and `ratio` times the dense perplexity."""
+    answers = (
+        {}
+        if match is None
+        else {
+            "prompts": 24,
+            "answers_match_12": match,
+            "answers_whole": match,
+            "answer_kl": kl,
+            "accuracy": 0.5,
+            "dense_accuracy": 0.5,
+        }
+    )
+    text = {"kl": kl, "agreement": 0.9, "perplexity": 20.0 * ratio, "dense_perplexity": 20.0, "tokens": 512}
+    return answers | {f"licences_{key}": value for key, value in text.items()}

@@ -288,7 +288,7 @@ class CalibrationContext:
         from ..text.chat import with_text
 
         texts = with_text(self._chats.texts(num_tokens * 3 // 5))  # about half the tokens (a margin: never short)
-        return texts, f"{self._chats.description()}, in turn with builtin:mixed's documents"
+        return texts, self._chats.description(mixed=True)
 
     def release(self) -> None:
         """Drop the dense model (the statistics stay), so that the streaming write holds about one layer. Text that

@@ -155,7 +155,8 @@ PRESET_RESULTS = _PACKAGE.parent / "benchmarks" / "results" / "presets.jsonl"
 def preset_measurements(path: Path | None = None) -> dict[str, str]:
     """{preset: one line of its latest measured figures}: perplexity as a ratio to the dense model per held-out text,
     the conversion's minutes, decoding speed against dense per runtime, and task accuracy as a share of the dense
-    model's; {} without the results file. Rows of folders calibrated on other text than the default are left out."""
+    model's; {} without the results file. Rows of folders calibrated on other text than the preset's own (a variant,
+    or the preset before its calibration data changed) are left out; speed rows time the layout and always count."""
     import json
 
     from ..text.corpus import DEFAULT_DESCRIPTION
@@ -166,8 +167,9 @@ def preset_measurements(path: Path | None = None) -> dict[str, str]:
     latest: dict[tuple, dict] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        if not row.get("calibration", DEFAULT_DESCRIPTION).startswith(DEFAULT_DESCRIPTION):
-            continue  # a variant converted on other text (`--calibration-data`), not the preset as it ships
+        calibration = row.get("calibration", DEFAULT_DESCRIPTION)  # rows before the field: the default text
+        if row["kind"] != "speed" and not calibration.startswith(_calibration_prefix(row["preset"])):
+            continue
         latest[(row["preset"], row["kind"], row.get("runtime"))] = row  # later lines win
     parts: dict[str, list[str]] = {}
     for (preset, kind, runtime), row in sorted(latest.items(), key=lambda item: str(item[0])):
@@ -181,6 +183,19 @@ def preset_measurements(path: Path | None = None) -> dict[str, str]:
         elif "decode_ratio" in row:
             parts.setdefault(preset, []).append(f"decodes {row['decode_ratio']:.2f}x dense ({runtime})")
     return {preset: "; ".join(texts) for preset, texts in parts.items()}
+
+
+def _calibration_prefix(preset: str) -> str:
+    """How the description of the preset's calibration text begins (`conversion_info["calibration_data"]`)."""
+    import yaml
+
+    from ..text.corpus import DEFAULT_DESCRIPTION
+
+    path = preset_path(preset) if preset in preset_names() else None
+    spec = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("calibration_data") if path else None
+    if spec is None:
+        return DEFAULT_DESCRIPTION
+    return f"built-in corpus {spec.removeprefix('builtin:')}" if spec.startswith("builtin:") else ""
 
 
 def preset_description(name: str) -> str:

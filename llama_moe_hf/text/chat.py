@@ -36,11 +36,14 @@ class SelfDistilledChats:
         self.pairs: list[tuple[str, str]] = []  # (prompt, answer) of each conversation
         self._tokens = 0
 
-    def description(self) -> str:
-        return (
-            f"built-in corpus chat: {len(self._texts)} calibration prompts with the dense model's greedy answers "
-            f"(at most {ANSWER_TOKENS} tokens), in its chat template"
+    def description(self, mixed: bool = False) -> str:
+        """What `conversion_info["calibration_data"]` records; it begins `built-in corpus NAME` as every built-in
+        corpus's does (`recipe.preset_measurements` reads it)."""
+        text = (
+            f"built-in corpus {NAME}{'-mixed' if mixed else ''}: {len(self._texts)} calibration prompts with the "
+            f"dense model's greedy answers (at most {ANSWER_TOKENS} tokens), in its chat template"
         )
+        return text + (", each followed by a document of builtin:mixed" if mixed else "")
 
     def texts(self, num_tokens: int) -> list[str]:
         from tqdm.auto import tqdm

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import folder_hashes, load_moe, logits, save_tiny_dense, tiny_llama, tiny_llama_config
+from helpers import folder_hashes, load_moe, logits, quick_check_scores, save_tiny_dense, tiny_llama, tiny_llama_config
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -363,7 +363,7 @@ def test_model_card_of_a_folder_without_tokenizer_names_the_source_tokenizer(tmp
 
 
 def test_card_links_to_docs_are_absolute_urls_of_the_repository():
-    text = quality_section(QuickCheck(perplexity=100.0, dense_perplexity=10.0, tokens=512))
+    text = quality_section(QuickCheck(quick_check_scores(match=0.0, kl=3.0, ratio=10.0)))
     assert f"[docs/training.md]({PROJECT_URL}/blob/HEAD/docs/training.md)" in text
     assert "(docs/" not in text  # no path relative to a repository the card is not in
 
@@ -558,7 +558,9 @@ def test_conversion_reports_perplexity_next_to_the_dense_model(tmp_path, tiny_de
     dense_path, _, _ = tiny_dense
     result = convert_to_moe(dense_path, tmp_path / "up", method="upcycle", num_experts=2, progress=False)
     check = result.quality
-    assert check.ratio == pytest.approx(1.0, abs=1e-4) and not check.needs_training  # upcycled == dense
-    assert check.tokens > 0 and "Measured after conversion" in (tmp_path / "up" / "README.md").read_text()
+    assert check.ratio == pytest.approx(1.0, abs=1e-4) and check.kl < 1e-4 and check.close  # upcycled == dense
+    assert check.match is None  # the tiny tokenizer has no chat template: text only
+    assert "as good as the dense model" in check.verdict()
+    assert "Measured after conversion" in (tmp_path / "up" / "README.md").read_text()
     skipped = convert_to_moe(dense_path, tmp_path / "no", method="upcycle", num_experts=2, eval=False, progress=False)
     assert skipped.quality is None and "Measured after" not in (tmp_path / "no" / "README.md").read_text()

@@ -96,12 +96,16 @@ def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatc
     from llama_moe_hf.conversion import recipe as recipe_module
 
     name = sparsity_presets()[0]
+    own = "built-in corpus chat-mixed: 592 calibration prompts ..."  # the preset's calibration_data, as recorded
     rows = [
-        {"kind": "quality", "preset": name, "ratio": {"tutorial": 9.0}, "convert_seconds": 60},
-        {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.5, "licences": 1.25}, "convert_seconds": 1200},
+        {"kind": "quality", "preset": name, "ratio": {"tutorial": 9.0}, "convert_seconds": 60, "calibration": own},
+        {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.5, "licences": 1.25}, "convert_seconds": 1200}
+        | {"calibration": own},
         {"kind": "speed", "preset": name, "runtime": "llama.cpp F16", "decode_ratio": 1.61},
-        {"kind": "tasks", "preset": name, "share": {"offline_continuation": 0.934, "llama_moe_arithmetic": 1.071}},
+        {"kind": "tasks", "preset": name, "share": {"offline_continuation": 0.934, "llama_moe_arithmetic": 1.071}}
+        | {"calibration": own},
         {"kind": "quality", "preset": name, "ratio": {"tutorial": 1.1}, "calibration": "local file mix.jsonl (9 docs)"},
+        {"kind": "tasks", "preset": name, "share": {"offline_continuation": 0.5}},  # before: the docstrings
     ]
     results = tmp_path / "presets.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
