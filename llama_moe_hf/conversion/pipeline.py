@@ -170,23 +170,24 @@ def quality_check(folder: Path, source, run: RunOptions, total: int):
     large for a quick check, or the source has no tokenizer (each logged)."""
     if not run.eval:
         return None
-    try:
-        tokenizer = source.load_tokenizer()
-    except (OSError, ValueError) as error:
-        logger.info("Quick check skipped: the source has no tokenizer (%s).", error)
-        return None
-    return run_quick_check(folder, source.load_model, tokenizer, total, run.device, run.progress)
+    return run_quick_check(folder, source.load_model, source.load_tokenizer, total, run.device, run.progress)
 
 
 def run_quick_check(
-    folder: Path, load_dense, tokenizer, total: int, device=None, progress=True, reference="the dense model"
+    folder: Path, load_dense, load_tokenizer, total: int, device=None, progress=True, reference="the dense model"
 ):
-    """The quick check with its log lines (convert, merge and export share it); None where the model is too large."""
+    """The quick check with its log lines (convert, merge and export share it); None where the model is too large or
+    the source has no tokenizer."""
     from .calibration import transformers_progress_bars
     from .quick_check import MAX_PARAMETERS, TEXT_DESCRIPTION, quick_check
 
     if total > MAX_PARAMETERS:
         logger.info("Quick check skipped (%s parameters): run `llama-moe eval` on the output.", f"{total:,}")
+        return None
+    try:
+        tokenizer = load_tokenizer()
+    except (OSError, ValueError) as error:
+        logger.info("Quick check skipped: the source has no tokenizer (%s).", error)
         return None
     logger.info(
         "Checking the result against %s: its answers to chat prompts, and %s (--no-eval skips this)...",

@@ -138,11 +138,6 @@ def check_export(folder: Path, checkpoint, progress: bool = True):
     if not (folder / "config.json").is_file():
         log.info("Not checked here (transformers does not run this file): compare it with its source in its engine.")
         return None
-    try:
-        tokenizer = checkpoint.load_tokenizer()
-    except (OSError, ValueError) as error:
-        log.info("Quick check skipped: the source has no tokenizer (%s).", error)
-        return None
 
     def load_source(dtype, device):
         from transformers import AutoModelForCausalLM
@@ -150,4 +145,6 @@ def check_export(folder: Path, checkpoint, progress: bool = True):
         return AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=dtype or torch.float32).to(device)
 
     total = sum(math.prod(shape) for shape in read_shapes(folder).values())
-    return run_quick_check(folder, load_source, tokenizer, total, progress=progress, reference="its source folder")
+    return run_quick_check(
+        folder, load_source, checkpoint.load_tokenizer, total, progress=progress, reference="its source folder"
+    )
