@@ -120,7 +120,7 @@ def padded(sequences: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.T
 
 
 @torch.inference_mode()
-def greedy_answers(model, prompt_ids: list[torch.Tensor], eos, max_new_tokens: int = MAX_NEW_TOKENS, bar=None):
+def greedy_answers(model, prompt_ids: list[torch.Tensor], eos, max_new_tokens: int = MAX_NEW_TOKENS):
     """Each prompt's greedy answer `[A]`, cut after its first end token (batched, padded on the left)."""
     answers = [None] * len(prompt_ids)
     for group in _length_batches([len(p) for p in prompt_ids]):
@@ -135,8 +135,6 @@ def greedy_answers(model, prompt_ids: list[torch.Tensor], eos, max_new_tokens: i
         )[:, ids.shape[1] :].cpu()
         for row, index in enumerate(group):
             answers[index] = _cut_at_end(out[row], eos)
-        if bar is not None:
-            bar.update(len(group))
     return answers
 
 

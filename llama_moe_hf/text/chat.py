@@ -17,8 +17,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TEXT_CHARS = 600  # a mixed-corpus document cut to about a conversation's tokens (150 of SmolLM2's), in turn with them
-ANSWER_TOKENS = 96  # most answers end before this (the 135M default: 61 tokens on average)
+TEXT_CHARS = 600  # a mixed-corpus document cut to about a conversation's length, in turn with them
+ANSWER_TOKENS = 96  # the answers' limit: longer than the check's 32, so that whole answers are healed on
 BATCH = 32  # rows answered together: decoding a 135M model on a CPU is bound by per-step overhead
 NAME = "chat"
 
