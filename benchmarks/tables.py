@@ -4,7 +4,7 @@
     | ... generated: do not edit by hand ... |
     <!-- /table -->
 
-    python benchmarks/tables.py               # rewrite every marked table in docs/*.md from the results
+    python benchmarks/tables.py               # rewrite every marked table in docs/*.md and benchmarks/reports/*.md
     python benchmarks/tables.py --check       # exit 1, naming them, when a doc's tables differ from the results
     python benchmarks/tables.py --show decode # one table on stdout
 
@@ -17,8 +17,10 @@ and date filled in. Rows transcribed from earlier docs keep the command and date
 Some tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
 the tutorial ratio), `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
 all cases; later single-case reruns stay in the file and the prose), `btx` (results/btx.jsonl's last whole run, from
-its dense row, with the rows `btx_run.py eval --only` rescored or added after it) and `behaviour_choose` /
-`behaviour_confirm` (results/behaviour.jsonl's latest row of each model on that prompt set).
+its dense row, with the rows `btx_run.py eval --only` rescored or added after it), `behaviour_choose` /
+`behaviour_confirm` (results/behaviour.jsonl's latest row of each model on that prompt set), and from
+results/presets.jsonl `preset_speed` (the latest row of each preset and runtime: what `llama-moe convert --help`
+quotes) and `preset_perplexity` (the latest row of each `sparse-N` preset per calibration text, with its tasks row).
 """
 
 import argparse
@@ -30,7 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs"  # the user pages
+REPORTS = ROOT / "benchmarks" / "reports"  # the measurement history, a report per study
+DOC_GLOBS = (DOCS, REPORTS)
 MARKER = re.compile(r"^(<!-- table: (\S+) -->\n)(.*?)^(<!-- /table -->)$", re.DOTALL | re.MULTILINE)
 
 
@@ -203,7 +207,79 @@ def _behaviour_cells(row: dict, texts) -> list[str]:
     return cells
 
 
+RUNTIMES = ("transformers eager, cpu float32", "transformers compiled, cpu float32", "llama.cpp F16", "llama.cpp Q8_0")
+
+
+def preset_speed_table(rows: list[dict]) -> str:
+    """results/presets.jsonl's speed rows: the latest of each preset and runtime (a later line wins), the rule
+    `llama-moe convert --help` quotes them by (`recipe.preset_measurements`), with the run each comes from."""
+    latest = {}
+    for row in rows:
+        if row.get("kind") == "speed":
+            latest[(row["preset"], row["runtime"])] = row
+    order = {runtime: i for i, runtime in enumerate(RUNTIMES)}
+    lines = []
+    for (preset, runtime), row in sorted(latest.items(), key=lambda item: (item[0][0], order.get(item[0][1], 9))):
+        cells = [f"`{preset}`", runtime, f"{row['decode_ratio']:.2f}x"]
+        cells += [cell(row.get("prefill_ratio"), "{:.2f}x"), cell(row.get("limit_ratio"), "{:.2f}x"), row["run"]]
+        lines.append(cells)
+    headers = ["preset", "runtime", "decode vs dense", "512-token prefill vs dense", "bytes limit", "run"]
+    runs = {row["run"]: row for row in latest.values()}
+    commands = [[run, row["machine"], f"`{row['command']}`"] for run, row in sorted(runs.items())]
+    return (
+        markdown(headers, "|---|---|---:|---:|---:|---|", lines)
+        + "\n\n"
+        + markdown(["run", "machine", "command"], "|---|---|---|", commands)
+    )
+
+
+PRESET_TEXTS = ("tutorial", "howto", "licences", "manpages")  # benchmarks/quality/presets.py's held-out texts
+
+
+def calibration_label(description: str | None) -> str:
+    """The `--calibration-data` a recorded `conversion_info` description stands for (rows before the field: the
+    default docstrings)."""
+    if description is None or description.startswith("built-in corpus: "):
+        return "`builtin:docstrings`"
+    if description.startswith("built-in corpus, three kinds in turn"):  # builtin:mixed's first description
+        return "`builtin:mixed`"
+    match = re.match(r"built-in corpus ([\w-]+)", description)
+    if match:
+        return f"`builtin:{match[1]}`"
+    return Path(description.removeprefix("local file ").split(" (")[0]).name
+
+
+def own_calibration(preset: str) -> str:
+    """The label of the calibration text preset `preset`'s recipe file names (`calibration_data`; none: docstrings)."""
+    path = ROOT / "recipes" / "convert" / f"{preset}.yaml"
+    match = re.search(r"^calibration_data:\s*(\S+)", path.read_text(), re.MULTILINE) if path.exists() else None
+    return f"`{match[1]}`" if match else calibration_label(None)
+
+
+def preset_perplexity_table(rows: list[dict]) -> str:
+    """results/presets.jsonl's quality rows of the `sparse-N` presets on their own calibration text or on the
+    docstrings (the presets' text until 2026-12): the latest per preset and text, with the multiple-choice share of
+    the latest tasks row of the same preset and text."""
+    quality, tasks = {}, {}
+    for row in rows:
+        if re.fullmatch(r"sparse-\d+", row.get("preset", "")) and row.get("kind") in ("quality", "tasks"):
+            key = (row["preset"], calibration_label(row.get("calibration")))
+            if key[1] in (calibration_label(None), own_calibration(key[0])):
+                (quality if row["kind"] == "quality" else tasks)[key] = row
+    lines = []
+    for key in sorted(quality, key=lambda key: (int(key[0][7:]), quality[key]["run"])):
+        row = quality[key]
+        cells = [f"`{key[0]}`", key[1], *(cell(row["ratio"].get(text), "{:.2f}x") for text in PRESET_TEXTS)]
+        minutes = row.get("convert_seconds")
+        share = tasks[key]["share"].get("offline_continuation") if key in tasks else None
+        lines.append([*cells, cell(share, "{:.1%}"), cell(minutes and minutes / 60, "{:.0f} min"), row["run"]])
+    headers = ["preset", "calibrated on", *PRESET_TEXTS, "multiple choice vs dense", "conversion", "run"]
+    return markdown(headers, "|---|---|---:|---:|---:|---:|---:|---:|---|", lines)
+
+
 SCRIPT_TABLES = {
+    "preset_speed": lambda: preset_speed_table(read_rows("presets.jsonl")),
+    "preset_perplexity": lambda: preset_perplexity_table(read_rows("presets.jsonl")),
     "behaviour_choose": lambda: behaviour_table(read_rows("behaviour.jsonl"), "choose"),
     "behaviour_confirm": lambda: behaviour_table(read_rows("behaviour.jsonl"), "confirm"),
     "sparsity": lambda: sparsity_table([row for row in read_rows("sparsity.jsonl") if "method" in row]),
@@ -490,6 +566,11 @@ def render(name: str) -> str:
     return render_table(name)
 
 
+def doc_paths() -> list[Path]:
+    """The Markdown files whose marked tables are generated: the user pages and the reports."""
+    return [path for folder in DOC_GLOBS for path in sorted(folder.glob("*.md"))]
+
+
 def update(path: Path, write: bool) -> list[str]:
     """The names of `path`'s marked tables that differ from their results; rewritten when `write`."""
     text = path.read_text()
@@ -511,12 +592,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
     parser.add_argument("--show", metavar="NAME", help="print one table and stop")
-    parser.add_argument("docs", nargs="*", type=Path, help="markdown files (default: docs/*.md)")
+    parser.add_argument(
+        "docs", nargs="*", type=Path, help="markdown files (default: docs/*.md and benchmarks/reports/*.md)"
+    )
     args = parser.parse_args(argv)
     if args.show:
         print(render(args.show))
         return 0
-    stale = {path: update(path, write=not args.check) for path in args.docs or sorted(DOCS.glob("*.md"))}
+    stale = {path: update(path, write=not args.check) for path in args.docs or doc_paths()}
     stale = {path: names for path, names in stale.items() if names}
     for path, names in stale.items():
         print(f"{path}: {'stale' if args.check else 'rewrote'} {', '.join(names)}")

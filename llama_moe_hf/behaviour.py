@@ -120,10 +120,11 @@ def padded(sequences: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.T
 
 
 @torch.inference_mode()
-def greedy_answers(model, prompt_ids: list[torch.Tensor], eos, max_new_tokens: int = MAX_NEW_TOKENS):
-    """Each prompt's greedy answer `[A]`, cut after its first end token (batched, padded on the left)."""
+def greedy_answers(model, prompt_ids: list[torch.Tensor], eos, max_new_tokens: int = MAX_NEW_TOKENS, batch=BATCH):
+    """Each prompt's greedy answer `[A]`, cut after its first end token (`batch` prompts of similar lengths at a time,
+    padded on the left)."""
     answers = [None] * len(prompt_ids)
-    for group in _length_batches([len(p) for p in prompt_ids]):
+    for group in _length_batches([len(p) for p in prompt_ids], batch):
         ids, mask = padded([prompt_ids[i] for i in group], eos[0], left=True)
         out = model.generate(
             input_ids=ids.to(model.device),
@@ -192,14 +193,25 @@ def score(model, reference: Reference, max_new_tokens: int = MAX_NEW_TOKENS) -> 
     match = matches(answers, reference.answers)
     whole = [torch.equal(answer, dense) for answer, dense in zip(answers, reference.answers)]
     prefix = [_common_prefix(a, d) / max(1, len(d)) for a, d in zip(answers, reference.answers)]
+    correct = [p.correct(reference.decode(a)) for p, a in zip(reference.prompts, answers)]
+    kinds = [p.kind for p in reference.prompts]
+    kl = answer_kl(model, reference)
+    return Scores(
+        answers, match, whole, prefix, kl, correct, reference.dense_correct, text_scores(model, reference), kinds
+    )
+
+
+def answer_kl(model, reference: Reference) -> float | None:
+    """Mean KL(dense || model) per token over the dense model's answers, teacher-forced (None without answers)."""
     kl_sum, kl_tokens = 0.0, 0
     for dense_lp, lp in zip(reference.answer_logprobs, _logprobs(model, *_answer_sequences(reference))):
         kl_sum, kl_tokens = kl_sum + _kl(dense_lp, lp).sum().item(), kl_tokens + len(lp)
-    correct = [p.correct(reference.decode(a)) for p, a in zip(reference.prompts, answers)]
-    texts = {name: _text_scores(model, rows, dense_lp) for name, (rows, dense_lp) in reference.texts.items()}
-    kinds = [p.kind for p in reference.prompts]
-    answer_kl = kl_sum / kl_tokens if kl_tokens else None
-    return Scores(answers, match, whole, prefix, answer_kl, correct, reference.dense_correct, texts, kinds)
+    return kl_sum / kl_tokens if kl_tokens else None
+
+
+def text_scores(model, reference: Reference) -> dict:
+    """{text: {"kl", "agreement", "perplexity", "dense_perplexity"}} on the reference's texts."""
+    return {name: _text_scores(model, rows, dense_lp) for name, (rows, dense_lp) in reference.texts.items()}
 
 
 def matches(answers, dense_answers) -> list[bool]:

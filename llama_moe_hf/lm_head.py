@@ -2,7 +2,7 @@
 
 At one token a linear layer is a matrix-vector product, and torch runs float32 matrix-vector products through MKL on
 one thread, eager or compiled; the LM head is the largest of them. Two kernels use every thread instead (timings:
-docs/benchmarks.md, "Decoding and prefill of the default model"):
+benchmarks/reports/cpu-decoding.md, "Decoding and prefill of the default model"):
 - in eager mode, oneDNN's inner product (only for the head: at the size of the other layers its per-call cost
   outweighs the second thread, so they keep `F.linear`);
 - under `torch.compile`, the product written as a multiply and a sum over the hidden size, which inductor turns into
@@ -40,8 +40,8 @@ def use_threaded_linears(model) -> int:
     """`use_threaded_lm_head`, and under `torch.compile` every other `Linear` of `model` too (attention projections,
     dense MLPs, shared experts), one row at a time, as the same reduction: compiled, torch still
     runs their float32 matrix-vector products on one thread. In eager mode they keep `F.linear`: at these sizes
-    oneDNN's per-call cost outweighs the second thread (docs/benchmarks.md). Returns how many `Linear`s run so (the
-    head included); undo: `restore_lm_head`."""
+    oneDNN's per-call cost outweighs the second thread (benchmarks/reports/cpu-decoding.md). Returns how many
+    `Linear`s run so (the head included); undo: `restore_lm_head`."""
     wrapped = int(use_threaded_lm_head(model))
     head = model.get_output_embeddings()
     for module in model.modules():

@@ -67,7 +67,7 @@ def load_model(
 def cpu_dtype(folder: Path) -> str:
     """What `dtype="auto"` computes in on a CPU: a bfloat16 checkpoint stays bfloat16 where the CPU has bf16
     instructions (AVX512-BF16 or AMX); elsewhere half precision is emulated, several times slower than float32
-    (docs/benchmarks.md, "Decoding on a CPU: float32 or bfloat16"), so it is float32."""
+    (benchmarks/reports/cpu-dtype.md, "Decoding on a CPU: float32 or bfloat16"), so it is float32."""
     import json
 
     import torch

@@ -91,15 +91,31 @@ class Parser(TrlParser):
         args = list(sys.argv[1:] if args is None else args)
         parser = self._command_parser(args)
         path, args = (None, args) if parser.own_config else parser._take_config(args)
-        if path is not None:
-            parser._apply_config(path)
+        in_file = parser._apply_config(path) if path is not None else set()
         args = self._save_strategy(args)
         try:  # the preflight, then the dataclasses' own checks (TrainingArguments' FSDP settings, ...)
             if self.preflight is not None:
                 self.preflight(self.parse_known_args(args)[0])
-            return self.parse_args_into_dataclasses(args)
+            parsed = self.parse_args_into_dataclasses(args)
         except (ValueError, ImportError, OSError) as error:
             self.fail(str(error))
+        if len(parsed) == 1 and isinstance(parsed[0], argparse.Namespace):  # a command's flags: what was given, too
+            parsed[0].given = frozenset(in_file | self._given_on_command_line(args))
+        return parsed
+
+    def _given_on_command_line(self, args: list[str]) -> set[str]:
+        """The dests the command line sets, whatever their values (abbreviations included, as argparse reads them):
+        parsed once more with every default a marker that no value equals."""
+        marker, parsers = object(), [self, self._command_parser(args)]
+        saved = [(action, action.default) for parser in parsers for action in parser._actions]
+        for action, _ in saved:
+            action.default = marker
+        try:
+            namespace = self.parse_known_args(args)[0]
+        finally:
+            for action, default in saved:
+                action.default = default
+        return {dest for dest, value in vars(namespace).items() if value is not marker}
 
     def _command_parser(self, args: list[str]) -> "Parser":
         """The parser of the subcommand `args` names (a recipe file sets its options only), else this one."""
@@ -137,9 +153,9 @@ class Parser(TrlParser):
                 return arg.partition("=")[2], args[:i] + args[i + 1 :]
         return None, args
 
-    def _apply_config(self, path: str) -> None:
+    def _apply_config(self, path: str) -> set[str]:
         """The file's values become the defaults, so that flags override them; `env:` sets environment variables,
-        as in TRL's own files."""
+        as in TRL's own files. Returns the keys the file sets."""
         try:
             config = read_config(path)
         except ValueError as error:
@@ -152,6 +168,7 @@ class Parser(TrlParser):
                 close = difflib.get_close_matches(key, actions, n=1)
                 self.error(f"{path}: unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
             actions[key].default, actions[key].required = value, False
+        return set(config)
 
 
 def hyphenate(parser: argparse.ArgumentParser) -> None:

@@ -277,7 +277,9 @@ def last_error_line(capsys) -> str:
 # Each family with decisive routing, so that a wrong cache changes which experts run, not only the attention.
 FAMILY_FIELDS = {
     "llama_moe": dict(method="random", num_experts=4, top_k=2, router_init="random"),
-    "attn_moe": dict(attn_experts=4, attn_top_k=2, attn_router_init="random", mlp_moe=True, num_experts=4, top_k=2),
+    "attn_moe": dict(
+        family="attn_moe", attn_experts=4, attn_top_k=2, attn_router_init="random", mlp_moe=True, num_experts=4, top_k=2
+    ),
     "soap_moe": dict(family="soap_moe", num_experts=4, options={"segment_length": 4}),  # segments cross in decoding
 }
 

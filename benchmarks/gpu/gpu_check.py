@@ -29,7 +29,7 @@ from llama_moe_hf import build_moe
 # family -> (routed recipe, the same with every expert selected). Kernel comparisons use the second: in bf16 an
 # untrained router's near-ties flip expert choices between kernels, which would hide the kernels' own error.
 # Generation and compile checks use the first.
-ATTENTION = dict(attn_experts=4, mlp_moe=True, num_experts=8)
+ATTENTION = dict(family="attn_moe", attn_experts=4, mlp_moe=True, num_experts=8)
 FAMILIES = {
     "llama_moe": (dict(num_experts=7, top_k=2, num_shared_experts=1),
                   dict(num_experts=7, top_k=7, num_shared_experts=1, router_init="zero")),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The table of docs/benchmarks.md, "GPU checks and GPU runs", in one call on a CUDA machine: gpu_check.py beside
+# The table of benchmarks/reports/gpu-h200.md, "GPU checks and GPU runs", in one call on a CUDA machine: gpu_check.py beside
 # healing on the GPU, then batch-1 decoding (eager with each experts kernel, compiled by generate with CUDA graphs)
 # and the MoE layer against Mixtral's. Each step runs under a time limit and none starts after DEADLINE seconds
 # (default 540), so that a short lease still brings back what finished. Logs go to OUT_DIR (default gpu-results).

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import heldout_tokens, perplexities, report
 from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.carving import activation_markers, split_carve
+from llama_moe_hf.conversion.methods.carve.carving import activation_markers, split_carve
 from llama_moe_hf.loading import load_model
 from llama_moe_hf.text.documents import load_texts
 

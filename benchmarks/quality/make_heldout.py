@@ -16,9 +16,9 @@ The last two are of other domains than any calibration corpus here, the texts a 
 that read files (`recipes/pretrain/joint-heal.yaml`).
 
 `--domain-matched` writes data/calibration/domain-matched.jsonl, a diagnostic calibration text of the confirming
-texts' own domains (docs/quality.md, "What holds the other domains"): the docstrings, the licence notices of
-/usr/share/doc/*/copyright and section-1 manual pages that the held-out text does not use, a document of each in turn,
-each cut at 2,000 characters. A paragraph that shares any 8 words in a row with the held-out licences or manual pages
+texts' own domains (benchmarks/reports/calibration-and-levers.md, "What holds the other domains"): the docstrings,
+the licence notices of /usr/share/doc/*/copyright and section-1 manual pages that the held-out text does not use, a
+document of each in turn, each cut at 2,000 characters. A paragraph that shares any 8 words in a row with the held-out licences or manual pages
 is left out, so no held-out sentence is calibrated on.
 """
 

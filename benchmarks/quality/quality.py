@@ -16,7 +16,7 @@ k-means are applied with forward hooks on the router (evaluation only). Every mo
 `llama_moe_hf.build_moe`; all builds share one calibration context, so the calibration statistics (MLP input samples,
 mean activations, k-means centroids, importance) are computed once for the whole table.
 
-    python benchmarks/quality/quality.py                                # the full table of docs/quality.md
+    python benchmarks/quality/quality.py                  # the full table of benchmarks/reports/gmoefication.md
     python benchmarks/quality/quality.py --splits cluster --active 6 7 --compensation on --routers selector oracle
 """
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import chunk_perplexity
 from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion import gmoefication
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
 from llama_moe_hf.conversion.plan import ConversionPlan
+from llama_moe_hf.conversion.routers.selector import gmoefication
 from llama_moe_hf.text.corpus import stdlib_docstrings
 
 NUM_EXPERTS = 8

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import chunk_perplexity
 from llama_moe_hf import MoERecipe, build_moe
 from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.attention_fit import expert_output_norms
 from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe_hf.conversion.routers.fit.attention_fit import expert_output_norms
 from llama_moe_hf.modeling.cache_compat import CACHE_ARG
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from llama_moe_hf.text.corpus import stdlib_docstrings
@@ -112,6 +112,7 @@ def mlp_rows(dense, contexts: dict, report) -> None:
             dense,
             context=contexts[9],
             mlp_moe=True,
+            family="attn_moe",
             attn_experts=9,
             attn_top_k=6,
             attn_score_scale_factor=6.0,

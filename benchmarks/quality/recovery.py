@@ -1,6 +1,6 @@
 """Recovery plot: held-out perplexity per domain against tokens seen during continual pre-training, next to the dense
 model's on the same held-out blocks (docs/training.md). One run, or several from the same start compared (LM loss
-against distillation, docs/quality.md):
+against distillation, benchmarks/reports/recovery-at-25.md):
 
     python benchmarks/quality/recovery.py --trained outputs/smollm2-moe-cpt
     python benchmarks/quality/recovery.py --trained lm=outputs/r25-lm distill=outputs/r25-distill \

@@ -5,14 +5,15 @@ SmolLM2-135M-Instruct, cluster split (balanced k-means on gate rows, 8 experts),
 held-out tokens; a selector is trained on (the first n of) the training tokens and scored on the held-out ones by the
 *dropped-energy ratio* at top-k: the deviation energy of the experts it drops / that of the experts the oracle drops
 (1.0 = oracle; lower is better). This is the per-layer quantity behind the perplexity gap to the oracle in
-docs/quality.md. Objectives:
+benchmarks/reports/gmoefication.md. Objectives:
 
     bce-adam       the first selector objective: binary cross-entropy against energy / the token's largest,
                    full-batch Adam (lr 1e-2, --adam-steps steps)
     bce-lbfgs      gmoefication.train_selector(objective="bce"): the same loss, L-BFGS, 100 iterations
     listwise-lbfgs gmoefication.train_selector (default objective): listwise cross-entropy, L-BFGS, 100 iterations
 
-    python benchmarks/quality/selector_training.py --threads 1 --objectives bce-adam listwise-lbfgs   # docs/quality.md
+    # benchmarks/reports/gmoefication.md:
+    python benchmarks/quality/selector_training.py --threads 1 --objectives bce-adam listwise-lbfgs
     python benchmarks/quality/selector_training.py --train-tokens 12288 --objectives bce-lbfgs listwise-lbfgs
 """
 
@@ -23,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion import gmoefication as g
 from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.clustering import split_cluster
 from llama_moe_hf.conversion.experts import build_expert_tensors
+from llama_moe_hf.conversion.methods.cluster.clustering import split_cluster
+from llama_moe_hf.conversion.routers.selector import gmoefication as g
 from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.text.corpus import stdlib_docstrings
 

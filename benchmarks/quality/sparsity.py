@@ -76,7 +76,8 @@ def field_value(text: str):
 
 
 def print_table(paths: list[str]) -> None:
-    """The rows of JSON-lines files as one markdown table, by sparsity, then tutorial ratio (docs/quality.md's)."""
+    """The rows of JSON-lines files as one markdown table, by sparsity, then tutorial ratio (the `sparsity` table of
+    benchmarks/reports/sparsity-presets-history.md)."""
     rows = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if '"method"' in line]
     print(sparsity_table(rows))
 

@@ -1,4 +1,5 @@
-"""SoapMoE speed against the dense model of the same shape, side by side in one process (docs/benchmarks.md).
+"""SoapMoE speed against the dense model of the same shape, side by side in one process
+(benchmarks/reports/soap-speed.md).
 
     python benchmarks/speed/bench_soap.py train    # training step (forward + backward), E = 8 and 32, S = 256
     python benchmarks/speed/bench_soap.py decode   # prompt-routing generation vs dense SmolLM2 (decode tokens/s)
@@ -10,7 +11,8 @@ train: LLaMA layers of SmolLM2's shape (hidden 576, FFN 1536, 9/3 heads, vocab 4
   merge's share is largest. The models alternate within each round (in reverse order every other round); reported
   are the median time and the median over rounds of each round's ratio. Target: overhead under 1.5 x E/S + 5%.
   On CPU glibc's allocator returns every freed block above its mmap threshold to the system, so each step page-faults
-  its large tensors in again: slow and noisy (docs/benchmarks.md). The header names the MALLOC_* settings in effect:
+  its large tensors in again: slow and noisy (benchmarks/reports/soap-speed.md). The header names the MALLOC_*
+  settings in effect:
 
     MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=536870912 \
         python benchmarks/speed/bench_soap.py train

@@ -34,8 +34,8 @@ a share s of the dense bytes decodes at most (fixed + dense read time) / (fixed 
 
 `--repack auto` (the default) turns llama.cpp's weight repacking off (its extra buffer types, the CLI's `--no-repack`)
 for Q8_0 files where llama.cpp reports AMX_INT8: there llama.cpp 0.3.36 put the Q8_0 weights in its AMX buffer and
-crashed (segmentation fault) on the first evaluation, the dense model's file as well (docs/quality.md). Rows say
-whether repacking was on.
+crashed (segmentation fault) on the first evaluation, the dense model's file as well
+(benchmarks/reports/preset-serving-speed.md). Rows say whether repacking was on.
 """
 
 import argparse

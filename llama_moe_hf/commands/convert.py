@@ -42,26 +42,31 @@ def option_classes() -> list[type]:
     return classes
 
 
+USAGE = """%(prog)s [--preset NAME | --config FILE] [--model MODEL] [--output OUTPUT]
+                         [--num-experts NUM_EXPERTS] [--top-k TOP_K] [OPTION ...]"""
+
+
 def register(subparsers) -> None:
     RecipeFields._argument_group_name = "what to build (recipe fields)"
     RunOptions._argument_group_name = "how to run"
     parser = subparsers.add_parser(
         "convert",
         help="convert a dense LLaMA-like checkpoint into an MoE checkpoint",
+        usage=USAGE,
         description="Convert a dense checkpoint (source families: "
         f"{', '.join(SOURCE_FAMILIES)}) into an MoE checkpoint folder, streaming one layer at a time. "
         "--preset NAME or --config FILE reads a recipe file (flat YAML of these flags); flags given as well override "
-        f"it. For the best conversion without training measured so far, use --preset {BEST_PRESET}; for a given "
-        f"share of the FFN active per token (what sets the speed), --preset {' / '.join(sparsity_presets())} (each "
-        "the best measured at its sparsity, healed: docs/quality.md).",
-        epilog=presets_text() + "\n\n" + components_text(),
+        "it.\n\nWhich preset: to serve a faster model, by the share of the FFN active per token (what sets the "
+        f"speed), --preset {' / '.join(sparsity_presets())} (healed; they export to vLLM, SGLang and llama.cpp). "
+        f"For G-MoEfication's conversion, with no healing, in minutes, use --preset {BEST_PRESET}. To start a model "
+        "for training: llama-moe-v1, llama-moe-v2-residual, upcycle.\n\n" + presets_text(),
+        epilog=presets_text(full=True) + "\n\n" + components_text(),
         dataclass_types=[RecipeFields, *option_classes(), RunOptions],
     )
     parser.add_argument(
         "--preset",
         choices=preset_names(),
-        help=f"a named recipe of recipes/convert/ (listed below), like --config with its file; {BEST_PRESET} is the "
-        "best measured conversion without training",
+        help="a named recipe of recipes/convert/ (listed above), like --config with its file",
     )
     choices = flag_choices()
     for action in parser._actions:
@@ -74,14 +79,68 @@ def help_entry(name: str, description: str, column: int) -> str:
     return textwrap.fill(description, 110, initial_indent=f"  {name:{column}} ", subsequent_indent=" " * (column + 3))
 
 
-def presets_text() -> str:
-    """The presets and their descriptions, for `--help`."""
-    lines = ["presets (--preset NAME; the files are recipes/convert/NAME.yaml):"]
+# What each preset gives and when to pick it, in the order the top of `--help` lists them (the figures come from the
+# results file; the full entries, from the recipe files' comments, close the help). Presets not listed follow, with
+# their description's first sentence.
+PRESET_PICKS = {
+    "sparse-25": "25% of the FFN active, healed, exports to Qwen2-MoE (vLLM, SGLang) and GGUF (llama.cpp): the "
+    "fastest, the furthest from dense; to decode fast, or to train on.",
+    "sparse-50": "50% active, healed, exports likewise: speed and quality between the other two.",
+    "sparse-75": "75% active, healed, exports likewise: keeps the most of the dense model.",
+    "g-moefication": "G-MoEfication's recipe (activation clusters, selector, compensation): 6 of 8 experts, no "
+    "healing, 3 min, transformers only; the healed sparse-75 keeps more.",
+    "llama-moe-v1": "LLaMA-MoE v1: 8 random experts, top-2, unusable until trained: the start for continual "
+    "pre-training.",
+    "llama-moe-v2-residual": "LLaMA-MoE v2's residual split (1 shared + top-1 of 7, k-means router): a start for "
+    "training or `llama-moe heal`.",
+    "llama-moe-v2-attention": "LLaMA-MoE v2's attention experts beside a random MLP MoE: a start for training.",
+    "upcycle": "sparse upcycling: every expert a copy of the dense FFN, exactly the dense model until trained.",
+    "sparse-25-selector": "sparse-25 with the selector router and compensation, which no export takes: to compare.",
+    "sparse-50-selector": "sparse-50 likewise.",
+    "sparse-75-selector": "sparse-75 likewise.",
+}
+PICK_RUNTIMES = {"transformers eager, cpu float32": "transformers eager", "llama.cpp F16": "llama.cpp F16"}
+
+
+def preset_speeds() -> dict[str, dict[str, float]]:
+    """{preset: {runtime: decode ratio}}: the latest speed row of each preset and runtime in the results file, the
+    rule `preset_measurements` and benchmarks/tables.py's `preset_speed` table quote them by."""
+    import json
+
+    from ..conversion import recipe
+
+    speeds: dict[str, dict[str, float]] = {}
+    path = recipe.PRESET_RESULTS
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        if row.get("kind") == "speed" and "decode_ratio" in row:
+            speeds.setdefault(row["preset"], {})[row["runtime"]] = row["decode_ratio"]
+    return speeds
+
+
+def presets_text(full: bool = False) -> str:
+    """The presets for `--help`: what each gives and when to pick it, with its latest decoding speed (the top of the
+    help), or `full`: each recipe file's description and its latest measured figures (the end of it)."""
+    if not full:
+        names = [name for name in PRESET_PICKS if name in preset_names()]
+        names += [name for name in preset_names() if name not in PRESET_PICKS]
+        column, speeds = max(map(len, names), default=0) + 1, preset_speeds()
+        lines = ["presets (measured on SmolLM2-135M-Instruct: docs/quality.md; in full below):"]
+        for name in names:
+            measured = speeds.get(name, {})
+            rates = [
+                f"{measured[runtime]:.2f}x ({where})" for runtime, where in PICK_RUNTIMES.items() if runtime in measured
+            ]
+            pick = PRESET_PICKS.get(name) or preset_description(name).split(". ")[0] + "."
+            lines.append(
+                help_entry(name, pick + (f" Decodes {', '.join(rates)} as fast as dense." if rates else ""), column)
+            )
+        return "\n".join(lines)
+    lines = ["presets in full (--preset NAME; the files are recipes/convert/NAME.yaml):"]
     measured = preset_measurements()
     for name in preset_names():
-        best = " [the measured best without training]" if name == BEST_PRESET else ""
         figures = f" Measured (benchmarks/results/presets.jsonl): {measured[name]}." if name in measured else ""
-        lines.append(help_entry(name, preset_description(name) + best + figures, 24))
+        lines.append(help_entry(name, preset_description(name) + figures, 24))
     return "\n".join(lines)
 
 
@@ -111,13 +170,16 @@ def components_text() -> str:
 
 
 def recipe_and_run(args) -> tuple[MoERecipe, RunOptions]:
+    """The recipe and run options of parsed flags: a component's option is in the recipe when the command line or
+    the recipe file sets it, whatever its value (as the Python API takes what it is given)."""
     values = vars(args)
     recipe = {f.name: values[f.name] for f in dataclasses.fields(RecipeFields)}
+    given = values.get("given", frozenset())
     options = {
         f.name: values[f.name]
         for options_class in option_classes()
         for f in dataclasses.fields(options_class)
-        if values[f.name] != f.default
+        if f.name in given
     }
     run = RunOptions(**{f.name: values[f.name] for f in dataclasses.fields(RunOptions)})
     return MoERecipe(**recipe, options=options), run

@@ -12,7 +12,10 @@
 It reads dense checkpoints through `checkpoints` (folder, Hub, GGUF, default model, in memory) as their source
 family says (`source_families`), writes with `checkpoints.writer`, and cards with `hub`.
 
-The algorithms the components call live beside them: experts.py (splits and expert tensors), clustering.py,
-importance.py, gmoefication.py, attention_fit.py, statistics.py (calibration passes). This package imports nothing
-heavy; `llama_moe_hf` exports its public API.
+A component's algorithm lives with it: a method or router init that is more than its registry entry is a package
+(`methods/carve/carving.py`, `methods/cluster/clustering.py`, `routers/selector/gmoefication.py`,
+`routers/fit/attention_fit.py`; `methods/shared/importance.py` serves three methods). What stays here are the
+pipeline's stages and their data: experts.py (splits and expert tensors), statistics.py (calibration passes),
+layerwise.py (a model run a decoder layer at a time). This package imports nothing heavy; `llama_moe_hf` exports its
+public API.
 """

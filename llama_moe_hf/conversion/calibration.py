@@ -15,13 +15,18 @@ import torch
 from ..devices import default_device
 from ..text.documents import load_texts, refuse_missing_file
 from ..text.tokens import cut_blocks, token_stream
-from .attention_fit import AttentionCalibration
+from .routers.fit.attention_fit import AttentionCalibration
 from .statistics import CalibrationStatistics, LayerCalibration, collect_calibration
 
 logger = logging.getLogger(__name__)
 
-CHAT_DATA = "builtin:chat"  # made by the dense model itself (`text.chat`), not read from a file
-CHAT_MIXED_DATA = "builtin:chat-mixed"  # those conversations and builtin:mixed's text in turn
+# Made by the dense model itself (`text.chat`), not read from a file: (what, what goes in turn with it)
+SELF_MADE = {
+    "builtin:chat": ("chat", None),
+    "builtin:chat-mixed": ("chat", "mixed"),
+    "builtin:chat-self": ("chat", "self"),
+    "builtin:self": ("self", None),
+}
 
 
 @contextlib.contextmanager
@@ -119,7 +124,7 @@ class CalibrationContext:
         self._embeddings_requested = False
         self._importance: dict[str, dict[int, LayerCalibration]] = {}
         self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
-        self._chats = None  # `text.chat.SelfDistilledChats`, for `builtin:chat`
+        self._made: dict = {}  # kind -> `text.chat.SelfMade`, for the data the dense model makes (`SELF_MADE`)
 
     def serves(self, recipe) -> bool:
         """Whether this context's statistics are those `recipe`'s calibration settings give (to share it)."""
@@ -202,7 +207,7 @@ class CalibrationContext:
     def kmeans_centroids(self, layer: int, num_experts: int) -> torch.Tensor:
         """`[E, H]` balanced k-means centroids of the layer's MLP input sample (routers of LLaMA-MoE v2), cached."""
         if (layer, num_experts) not in self._centroids:
-            from .clustering import kmeans_router
+            from .methods.cluster.clustering import kmeans_router
 
             samples = self.mlp(layer).hidden_states
             self._centroids[layer, num_experts] = kmeans_router(samples, num_experts, seed=self.recipe.seed)
@@ -252,8 +257,8 @@ class CalibrationContext:
         r = self.recipe
         if self._load_tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
-        if r.calibration_data in (CHAT_DATA, CHAT_MIXED_DATA):
-            texts, self.data_description = self._chat_texts(num_tokens)
+        if r.calibration_data in SELF_MADE:
+            texts, self.data_description = self._self_made_texts(num_tokens)
         else:
             texts, self.data_description = load_texts(
                 r.calibration_data,
@@ -269,36 +274,49 @@ class CalibrationContext:
         """Whether calibration tokens were used (then `conversion_info` records the calibration settings)."""
         return self._input_ids is not None
 
-    def _chat_texts(self, num_tokens: int) -> tuple[list[str], str]:
-        """`builtin:chat`: conversations answered by the dense model (`text.chat`), made once and extended when more
-        tokens are asked for; `builtin:chat-mixed`: those and `builtin:mixed`'s documents in turn, each cut to about
-        a conversation's length (`text.chat.with_text`); `builtin:mixed` for a tokenizer without a chat template."""
-        mixed = self.recipe.calibration_data == CHAT_MIXED_DATA
-        if self._chats is None:
-            from ..text.chat import SelfDistilledChats
+    def _self_made_texts(self, num_tokens: int) -> tuple[list[str], str]:
+        """What the dense model makes (`text.chat`), made once and extended when more tokens are asked for: its
+        answers to the calibration prompts (`builtin:chat`), its own sampled text (`builtin:self`), or conversations
+        with a document of `builtin:mixed` or a sampled text after each. A tokenizer without a chat template has no
+        conversations: `builtin:self` stands in for `builtin:chat-self`, `builtin:mixed` for the others (logged)."""
+        from ..text.chat import in_turn, mixed_documents
 
-            tokenizer = self._load_tokenizer()
-            if not tokenizer.chat_template:
-                what = self.recipe.calibration_data
-                logger.warning("The tokenizer has no chat template: calibrating on builtin:mixed instead of %s.", what)
+        first, second = SELF_MADE[self.recipe.calibration_data]
+        if first == "chat" and not self._load_tokenizer().chat_template:
+            instead = "builtin:self" if second == "self" else "builtin:mixed"
+            logger.warning(
+                "The tokenizer has no chat template: calibrating on %s instead of %s.",
+                instead,
+                self.recipe.calibration_data,
+            )
+            if second != "self":
                 return load_texts("builtin:mixed")
-            self._chats = SelfDistilledChats(self.model(), tokenizer, progress=self.progress)
-        if not mixed:
-            return self._chats.texts(num_tokens), self._chats.description()
-        from ..text.chat import with_text
+            first, second = "self", None
+        made = self._maker(first)
+        if second is None:
+            return made.texts(num_tokens), made.description()
+        conversations = made.texts(num_tokens * 3 // 5)  # about half the tokens (a margin: never short)
+        others = mixed_documents() if second == "mixed" else self._maker(second).texts(0, count=len(conversations))
+        return in_turn(conversations, others), made.description(second)
 
-        texts = with_text(self._chats.texts(num_tokens * 3 // 5))  # about half the tokens (a margin: never short)
-        return texts, self._chats.description(mixed=True)
+    def _maker(self, kind: str):
+        if kind not in self._made:
+            from ..checkpoints.default import cache_dir
+            from ..text.chat import SelfDistilledChats, SelfSampledText
+
+            maker = {"chat": SelfDistilledChats, "self": SelfSampledText}[kind]
+            self._made[kind] = maker(self.model(), self._load_tokenizer(), self.progress, cache=cache_dir() / "chat")
+        return self._made[kind]
 
     def release(self) -> None:
         """Drop the dense model (the statistics stay), so that the streaming write holds about one layer. Text that
         only the dense model can make (`builtin:chat`) is made first, as much as healing will read."""
         r = self.recipe
         needed = r.heal_tokens + r.joint_heal_tokens
-        made_here = r.calibration_data in (CHAT_DATA, CHAT_MIXED_DATA) and self.data_description != "given token ids"
+        made_here = r.calibration_data in SELF_MADE and self.data_description != "given token ids"
         if made_here and (needed or self.used) and not self._released:
             self.tokens(max(needed, r.calibration_tokens))
-        if self._chats is not None:
-            self._chats.model = None
+        for made in self._made.values():
+            made.model = None
         self._model = None
         self._released = True

@@ -11,6 +11,8 @@ import dataclasses
 import json
 from collections.abc import Iterator
 
+from ..modeling.configuration_llama_moe import DEFAULT_ROUTER_TYPE
+from ..modeling.routers import ROUTER_CLASSES
 from .calibration import data_path
 from .layer_patterns import layer_terms, parse_moe_layers
 from .recipe import MoERecipe
@@ -30,7 +32,7 @@ def resolve_recipe(recipe: MoERecipe, dense_config=None, run: RunOptions | None 
     if run is not None:
         run.check()
     recipe = dataclasses.replace(recipe, calibration_data=data_path(recipe))
-    family = FAMILIES[recipe.family or _family_of(recipe)]()
+    family = FAMILIES[recipe.family]()
     recipe = dataclasses.replace(recipe, family=family.name, options={**family.default_options(), **recipe.options})
     family.check(recipe)
     if recipe.heal_tokens and not family.heals:
@@ -91,15 +93,6 @@ def _layer_list(value):
     return value
 
 
-def _family_of(recipe: MoERecipe) -> str:
-    """The family whose options the recipe sets, else LlamaMoE."""
-    owners = [option_owner(key) for key in recipe.options]
-    families = sorted({owner[1] for owner in owners if owner is not None and owner[0] is FAMILIES})
-    if len(families) > 1:
-        raise ValueError(f"The options set belong to several families ({', '.join(families)}); set --family.")
-    return families[0] if families else "llama_moe"
-
-
 def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None) -> MoERecipe:
     """The method, router init, gate and score scale of one target, checked and completed."""
     part = family.parts[kind]
@@ -111,7 +104,7 @@ def _resolve_target(recipe: MoERecipe, family, kind: str, run: RunOptions | None
     if kind not in router.targets:
         usable = [n for n, init in ROUTER_INITS.items() if kind in init.targets and not init.needs_expert_inputs]
         raise ValueError(f"Router init {router.name!r} cannot start {kind} routers; choose one of {', '.join(usable)}.")
-    router_type = settings["router_type"] or router.router_type or "top_k"
+    router_type = settings["router_type"] or router.router_type or DEFAULT_ROUTER_TYPE
     _check_router(router, router_type, method, kind)
     if settings["num_shared_experts"] and not method.allows_shared_experts:
         raise ValueError(f"--num-shared-experts is not supported with method {method.name!r}.")
@@ -133,9 +126,10 @@ def _check_router(router, router_type: str, method, kind: str) -> None:
         raise ValueError(f"Unknown router type {router_type!r}; choose one of {', '.join(ROUTER_TYPES)}.")
     if router.router_type is not None and router_type != router.router_type:
         raise ValueError(f"Router init {router.name!r} makes a {router.router_type!r} router, not {router_type!r}.")
-    if router.even_weights and router_type != "top_k":
+    if router.even_weights and router_type != DEFAULT_ROUTER_TYPE:
         raise ValueError(
-            f"Router init {router.name!r} makes renormalised softmax top-k routers (top_k), not {router_type!r}."
+            f"Router init {router.name!r} makes renormalised softmax top-k routers ({DEFAULT_ROUTER_TYPE}), not "
+            f"{router_type!r}."
         )
     forced = [init.name for _, init in ROUTER_INITS.items() if init.router_type == router_type]
     if forced and router.name not in forced:
@@ -171,7 +165,12 @@ def _resolve_options(recipe: MoERecipe, family) -> MoERecipe:
             owner = option_owner(key)
             if owner is None:
                 raise ValueError(f"Unknown option {key!r}.")
-            raise ValueError(f"--{key.replace('_', '-')} applies to {owner[0].kind} {owner[1]!r}, which is not used.")
+            flag, (registry, name) = f"--{key.replace('_', '-')}", owner
+            if registry is FAMILIES:
+                raise ValueError(
+                    f"{flag} is an option of the {name} family, not of {family.name}: add --family {name}."
+                )
+            raise ValueError(f"{flag} applies to {registry.kind} {name!r}, which is not used.")
     options = {key: recipe.options.get(key, f.default) for key, (_, f) in accepted.items()}
     for component in {component for component, _ in accepted.values()}:
         check_types(component_options(component, options))
@@ -328,8 +327,9 @@ class ConversionPlan:
         built = method.build(layer_idx, dense, context)
         tensors = dict(built.tensors)
         gate = method.router_tensors(router.tensors(layer_idx, built, context))
-        if self.targets[kind].router_type == "noisy_top_k":
-            gate.setdefault("noise_weight", gate["weight"].new_zeros(gate["weight"].shape))  # no noise until trained
+        gate_class = ROUTER_CLASSES.get(self.targets[kind].router_type)  # None: SoapMoE's experts have no gate type
+        for name in gate_class.untrained_tensors if gate_class else ():  # e.g. no noise until it is trained
+            gate.setdefault(name, gate["weight"].new_zeros(gate["weight"].shape))
         tensors.update({f"gate.{name}": tensor for name, tensor in gate.items()})
         if kind == MLP and self.recipe.compensation:
             tensors["compensation"] = self._compensation(layer_idx, built, context)
@@ -337,7 +337,7 @@ class ConversionPlan:
 
     @staticmethod
     def _compensation(layer_idx: int, built: LayerBuild, context):
-        from .gmoefication import compensation_table
+        from .routers.selector.gmoefication import compensation_table
 
         return compensation_table(built.split, built.dense["down_proj.weight"], context.mlp(layer_idx).mean_activation)
 

@@ -124,7 +124,8 @@ def load_recipe(path: str | Path) -> tuple[MoERecipe, dict[str, Any]]:
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 PRESETS_DIR = _PACKAGE / "presets" if (_PACKAGE / "presets").is_dir() else _PACKAGE.parent / "recipes" / "convert"
-# The best conversion without training measured so far (docs/quality.md, "How each default was chosen").
+# G-MoEfication's training-free conversion, named in `--help` (benchmarks/reports/gmoefication.md, "How each default
+# was chosen").
 BEST_PRESET = "g-moefication"
 
 

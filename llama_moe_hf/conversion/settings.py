@@ -24,8 +24,6 @@ from ..source_families import SOURCE_FAMILIES
 from .layer_patterns import layer_terms
 from .target import MLP
 
-CLUSTER_ON = ("gate", "up", "both", "activations")  # what --method cluster clusters
-SELECTOR_OBJECTIVES = ("listwise", "bce")  # the selector router's training loss
 HEAL_SCHEDULES = ("constant", "cosine", "linear")  # healing's learning rate over each layer's steps
 HEAL_TARGETS = ("stream", "mlp")  # what healing trains each MoE MLP to reproduce
 
@@ -50,9 +48,9 @@ class RecipeFields:
     """The core fields of a recipe (each a `llama-moe convert` flag); component options are in `MoERecipe.options`.
     The MLP's block settings among them are named by `MLP_PART`."""
 
-    family: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "output model family (default: the family whose options are set, else llama_moe)"},
+    family: str = dataclasses.field(
+        default="llama_moe",
+        metadata={"help": "output model family: its options (listed below) apply only when it is chosen"},
     )
     method: str = dataclasses.field(default="random", metadata={"help": "MLP expert construction method"})
     num_experts: int = dataclasses.field(default=8, metadata={"help": "routed experts per MoE layer"})
@@ -89,8 +87,10 @@ class RecipeFields:
     calibration_data: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "text/json/jsonl/parquet file or folder, a datasets name, builtin:mixed, or builtin:chat (chat "
-            "prompts answered by the dense model, in its chat template) (default: built-in corpus of docstrings)"
+            "help": "text/json/jsonl/parquet file or folder, a datasets name, builtin:mixed, or text the dense model "
+            "makes: builtin:chat (chat prompts it answers, in its chat template), builtin:self (text it samples from "
+            "its start token), builtin:chat-mixed / builtin:chat-self (conversations with builtin:mixed's documents / "
+            "sampled texts in turn) (default: built-in corpus of docstrings)"
         },
     )
     calibration_tokens: int = dataclasses.field(default=8192, metadata={"help": "calibration tokens"})

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .attention_fit import AttentionCalibration, AttentionFitAccumulator
+from .routers.fit.attention_fit import AttentionCalibration, AttentionFitAccumulator
 
 DEFAULT_CALIBRATION_SAMPLES = 8192  # MLP inputs kept per layer (`--calibration-samples`)
 # `token_groups(layer_idx, mlp_inputs [T, H]) -> group ids [T]`: buckets the importance of each token.

@@ -58,22 +58,6 @@ REFUSED_FAMILIES = {
     "soap_moe": "it is a SoapMoE model: it merges its experts' weights once per segment of tokens (segment "
     "routing), which token-choice top-k MoE layers cannot express",
 }
-# Routers with no exact counterpart in any target, and why.
-REFUSED_ROUTERS = {
-    "selector": "MoEfication's selector scores experts with a tanh MLP and weights every chosen expert 1, where the "
-    "targets' routers weight them by a softmax of linear logits",
-    "analytical": "CMoE's router scores experts by a SwiGLU activation, |silu(x . g) * (x . u)|, and weights every "
-    "chosen expert 1 (at conversion), where the targets' routers weight them by a softmax of linear logits",
-}
-# Routers the targets compute exactly: softmax top-k, renormalised (top_k) or not (switch).
-EXACT_ROUTERS = ("top_k", "switch")
-# Routers that compute exactly top-k softmax routing at inference, and why.
-INFERENCE_TOP_K = {
-    "noisy_top_k": "router_type 'noisy_top_k' is exported as its inference routing, softmax top-k: its learned "
-    "noise is added in training only (mlp.gate.noise_weight is not exported)",
-    "expert_choice": "router_type 'expert_choice' is exported as its inference routing, token-choice softmax top-k "
-    "(what model.eval() and generate compute); expert-choice routing and its capacity exist in training only",
-}
 
 
 def tensor_order(name: str) -> tuple:
@@ -116,23 +100,34 @@ def model_reasons(config) -> list[str]:
     if config.model_type != "llama_moe":
         return [f"it is a {config.model_type!r} model, not a converted LlamaMoE checkpoint (llama_moe)"]
     reasons = []
-    if config.router_type in REFUSED_ROUTERS:
-        reasons.append(f"router_type {config.router_type!r}: {REFUSED_ROUTERS[config.router_type]}")
-    elif config.router_type not in EXACT_ROUTERS and config.router_type not in INFERENCE_TOP_K:
-        reasons.append(
-            f"router_type {config.router_type!r}: the targets route by a softmax top-k of linear logits "
-            f"({', '.join(EXACT_ROUTERS + tuple(INFERENCE_TOP_K))} map onto it), and no exact mapping of this "
-            "router is known"
-        )
+    refusal = router_class(config).stock_refusal
+    if refusal:
+        reasons.append(f"router_type {config.router_type!r}: {refusal}")
     if config.mlp_bias:
         reasons.append("mlp_bias: the targets' MLPs have no bias")
     return reasons
 
 
+def router_class(config):
+    """The gate class of a LlamaMoE config: what its routing means (`modeling.routers`)."""
+    from ..modeling.routers import ROUTER_CLASSES, LlamaMoERouter
+
+    return ROUTER_CLASSES.get(config.router_type, LlamaMoERouter)  # a gate with no class says nothing: refused
+
+
+def keeps_weights_summing_to_one(config) -> bool:
+    """Whether a softmax top-k gate renormalises its chosen experts' weights (False for one that keeps them as they
+    are; gates no target computes are refused by `model_reasons`)."""
+    router = router_class(config)
+    return router.renormalizes or router.stock_refusal is not None
+
+
 def inference_notes(config) -> list[str]:
     """What is exported as inference computes it (a router whose training-time routing differs)."""
-    router = getattr(config, "router_type", None)  # a dense source has none
-    return [INFERENCE_TOP_K[router]] if router in INFERENCE_TOP_K else []
+    if getattr(config, "router_type", None) is None:  # a dense source
+        return []
+    note = router_class(config).inference_note
+    return [note] if note else []
 
 
 def attention_reasons(config, target: str, sources: tuple[str, ...]) -> list[str]:

@@ -25,12 +25,12 @@ import dataclasses
 
 from ..registry import option
 from .base import (
-    INFERENCE_TOP_K,
     TRANSFORMERS_NAMES,
     ExportTarget,
     attention_reasons,
     model_reasons,
     per_expert,
+    router_class,
 )
 from .registry import TARGETS
 
@@ -38,19 +38,10 @@ CALIBRATION_TOKENS = 4096
 CALIBRATION_SEQ_LEN = 256
 WEIGHTINGS = ("uniform", "router")
 DENSE_SOURCES = ("llama", "mistral", "qwen2", "qwen3")  # families whose tensors the export roles carry
-# Routers whose top-k weights sum to 1 at inference: a token's output is a weighted mean of its experts.
-MEAN_ROUTERS = ("top_k", *INFERENCE_TOP_K)
 REFUSED_FAMILIES = {
     "attn_moe": "it is an AttnMoE model: its routed attention heads are not merged by the dense target",
     "soap_moe": "it is a SoapMoE model: its dense FFN is its experts merged with one prompt's routing weights "
     "(llama_moe_hf.export.soap_dense.merged_dense_model)",
-}
-ROUTER_REASONS = {
-    "switch": "router_type 'switch' does not renormalise the top-k probabilities: a token's experts weigh less "
-    "than 1 in all, by an amount that varies by token, which no fixed FFN computes (not even for identical experts)",
-    "selector": "router_type 'selector' weights every chosen expert 1 (top-k in all), not a mean of its experts",
-    "analytical": "router_type 'analytical' weights every chosen expert 1 plus a learned share (top-k or more in "
-    "all), not a mean of its experts",
 }
 # role -> (the dense FFN's projection, position among the layer's parts: merged or dense FFN, then shared experts)
 FFN_PARTS = {
@@ -77,16 +68,9 @@ class DenseOptions:
 
 
 def router_reasons(config) -> list[str]:
-    router = config.router_type
-    if router in MEAN_ROUTERS:
-        return []
-    if router in ROUTER_REASONS:
-        return [ROUTER_REASONS[router]]
-    reason = (
-        f"router_type {router!r}: the dense target takes routers whose top-k weights sum to 1 "
-        f"({', '.join(MEAN_ROUTERS)}), and no mapping of this router to one FFN is known"
-    )
-    return [reason]
+    """Why the dense target cannot average this model's experts into one FFN (the gate's `dense_refusal`)."""
+    refusal = router_class(config).dense_refusal
+    return [refusal.format(router_type=config.router_type)] if refusal else []
 
 
 @TARGETS.register("dense")

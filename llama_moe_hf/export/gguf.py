@@ -29,7 +29,7 @@ WordLevel) is not written: the file then has no vocabulary (`tokenizer.ggml.mode
 import dataclasses
 
 from ..registry import option
-from .base import ExportTarget, attention_reasons, dense_layers
+from .base import ExportTarget, attention_reasons, dense_layers, keeps_weights_summing_to_one
 from .registry import TARGETS
 
 GGUF_FILE = "model.gguf"
@@ -95,10 +95,10 @@ def architecture(config) -> str:
 def layout_reasons(config) -> list[str]:
     """Why neither llama.cpp graph (Mixtral's, or ERNIE 4.5 MoE's with shared experts) expresses the MoE layers."""
     reasons = []
-    if config.router_type == "switch":
+    if not keeps_weights_summing_to_one(config):
         reasons.append(
-            "router_type 'switch' keeps the top-k softmax probabilities as they are, llama.cpp's MoE graphs "
-            "renormalise them (qwen2_moe has norm_topk_prob=False)"
+            f"router_type {config.router_type!r} keeps the top-k softmax probabilities as they are, llama.cpp's MoE "
+            "graphs renormalise them (qwen2_moe has norm_topk_prob=False)"
         )
     if config.attention_bias:
         reasons.append("attention biases: llama.cpp's llama graph has none")

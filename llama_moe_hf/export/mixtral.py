@@ -13,6 +13,7 @@ from .base import (
     TransformersTarget,
     attention_reasons,
     dense_layers,
+    keeps_weights_summing_to_one,
     uniform_window,
     window_reasons,
 )
@@ -31,10 +32,10 @@ def mixtral_layout_reasons(config) -> list[str]:
     """Why a Mixtral-style MoE layer (renormalised top-k, every layer MoE, no shared experts, attention without
     biases) cannot express the model."""
     reasons = []
-    if config.router_type == "switch":
+    if not keeps_weights_summing_to_one(config):
         reasons.append(
-            "router_type 'switch' keeps the top-k softmax probabilities as they are, Mixtral renormalises them to "
-            "sum to 1 (qwen2_moe has norm_topk_prob=False)"
+            f"router_type {config.router_type!r} keeps the top-k softmax probabilities as they are, Mixtral "
+            "renormalises them to sum to 1 (qwen2_moe has norm_topk_prob=False)"
         )
     if config.num_shared_experts:
         reasons.append(

@@ -18,7 +18,7 @@ LlamaMoE maps onto it exactly:
 Qwen2-MoE derives the head size from hidden_size / num_attention_heads, so models with another head_dim are refused.
 """
 
-from .base import TRANSFORMERS_NAMES, TransformersTarget, attention_reasons, dense_layers
+from .base import TRANSFORMERS_NAMES, TransformersTarget, attention_reasons, dense_layers, router_class
 from .registry import TARGETS
 
 QWEN2_MOE_NAMES = {
@@ -91,7 +91,7 @@ class Qwen2Moe(TransformersTarget):
             moe_intermediate_size=config.moe_intermediate_size,
             shared_expert_intermediate_size=self.shared_size(),
             num_experts=config.num_experts,
-            norm_topk_prob=config.router_type != "switch",
+            norm_topk_prob=router_class(config).renormalizes,
             mlp_only_layers=dense_layers(config),
             decoder_sparse_step=1,
             use_sliding_window="sliding_attention" in config.layer_types,

@@ -17,6 +17,7 @@ from .base import (
     TransformersTarget,
     attention_reasons,
     dense_layers,
+    router_class,
     uniform_window,
     window_reasons,
 )
@@ -61,7 +62,7 @@ class Qwen3Moe(TransformersTarget):
             intermediate_size=config.intermediate_size,  # the dense layers' MLP (mlp_only_layers)
             moe_intermediate_size=config.moe_intermediate_size,
             num_experts=config.num_experts,
-            norm_topk_prob=config.router_type != "switch",
+            norm_topk_prob=router_class(config).renormalizes,
             mlp_only_layers=dense_layers(config),
             decoder_sparse_step=1,
             use_sliding_window=window is not None,

@@ -83,11 +83,13 @@ def open_merged(into):
     config = moe.config
     if config.model_type != "llama_moe":
         raise ValueError(f"--into {path} is a {config.model_type!r} model; experts are added to LlamaMoE merges only.")
-    if config.router_type != "top_k" or config.moe_compensation:
+    from ..modeling.configuration_llama_moe import DEFAULT_ROUTER_TYPE
+
+    if config.router_type != DEFAULT_ROUTER_TYPE or config.moe_compensation:
         raise ValueError(
             f"--into {path} routes with {config.router_type!r}"
             f"{' and compensation' if config.moe_compensation else ''}: adding an expert keeps the other experts' "
-            "routing only under softmax top-k (router_type top_k, no compensation)."
+            f"routing only under softmax top-k (router_type {DEFAULT_ROUTER_TYPE}, no compensation)."
         )
     return moe
 

@@ -14,6 +14,7 @@ from ..conversion.plan import ConversionPlan
 from ..conversion.recipe import MoERecipe
 from ..conversion.registry import METHODS, ROUTER_INITS
 from ..conversion.target import MLP, SPLIT_STREAM, LayerBuild, layer_seed
+from ..modeling.configuration_llama_moe import DEFAULT_ROUTER_TYPE
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -30,7 +31,7 @@ def per_model_recipe(merge) -> MoERecipe:
         method=merge.method,
         num_experts=merge.experts_per_model,
         top_k=min(merge.experts_per_token, merge.experts_per_model),
-        router_type="top_k",
+        router_type=DEFAULT_ROUTER_TYPE,
         router_init=merge.gate_mode,
         score_scale_factor=scale,
         seed=merge.seed,

@@ -23,7 +23,8 @@ if transformers.__version__ not in SpecifierSet(TRANSFORMERS_REQUIREMENT, prerel
         f"found {transformers.__version__}: pip install 'transformers{TRANSFORMERS_REQUIREMENT}'"
     )
 
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "analytical")
+ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "analytical")  # routers.ROUTER_CLASSES
+DEFAULT_ROUTER_TYPE = ROUTER_TYPES[0]  # softmax top-k, renormalised: what the stock MoE families compute
 
 
 @strict
@@ -164,7 +165,7 @@ class LlamaMoEConfig(LlamaLikeConfig):
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
     score_scale_factor: float | int | list[float] = 1.0
-    router_type: str = "top_k"
+    router_type: str = DEFAULT_ROUTER_TYPE
     expert_capacity_factor: float | int = 1.0
     moe_compensation: bool = False
     router_aux_loss_coef: float = 0.01

@@ -383,7 +383,7 @@ class AttnMoEForCausalLM(AttnMoEPreTrainedModel, LlamaMoEForCausalLM, Generation
         """`generate` compiles only on a CPU (where it asks to): compiled for an H200, the decoding step gave wrong
         logits from the third layer on (relative error 0.41, top-1 agreement 0), with sdpa's fused kernel, with its
         math backend chosen inside the graph, or with eager attention on sdpa's mask, so a static cache there decodes
-        eagerly (docs/benchmarks.md)."""
+        eagerly (benchmarks/reports/gpu-h200.md)."""
         return self.device.type == "cpu" and super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
 

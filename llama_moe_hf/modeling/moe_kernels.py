@@ -6,8 +6,8 @@ with transformers' experts interface (`ALL_EXPERTS_FUNCTIONS`) next to its `grou
     llama_moe_cpu_compiled  llama_moe_auto, with decoding steps on CPU run by a kernel compiled by inductor
     llama_moe_auto          the default: llama_moe_cpu on CPU, transformers' kernels elsewhere
 
-docs/benchmarks.md ("MoE layer forward speed", "What the default path does (and why)", "Compiled decoding") has
-the measurements behind the dispatch thresholds.
+benchmarks/reports/moe-layer-speed.md ("MoE layer forward speed", "What the default path does (and why)") and
+benchmarks/reports/cpu-decoding.md ("Compiled decoding") have the measurements behind the dispatch thresholds.
 
 This file is copied next to saved checkpoints (remote code): it imports only torch and transformers.
 """
@@ -28,7 +28,7 @@ from transformers.utils.import_utils import is_torchdynamo_compiling
 
 # `llama_moe_cpu`: while no expert gets more than BMM_MAX_ROWS_PER_EXPERT (token, expert) rows and the padded layout
 # holds at most BMM_MAX_PADDED_ROWS, one batched matmul over zero-padded per-expert rows beats a loop of small
-# per-expert matmuls on CPU; beyond, its speed depends on the process (docs/benchmarks.md, "MoE layer forward speed").
+# per-expert matmuls on CPU; beyond, its speed depends on the process (benchmarks/reports/moe-layer-speed.md).
 BMM_MAX_ROWS_PER_EXPERT = 128
 BMM_MAX_PADDED_ROWS = 1024
 

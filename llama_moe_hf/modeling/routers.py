@@ -28,6 +28,21 @@ class LlamaMoERouter(nn.Module):
 
     # Whether `forward` returns each expert's chosen tokens (`[E, C]`) rather than each token's experts (`[T, k]`).
     chooses_tokens = False
+    # What the gate means, read by the conversion plan and the export targets (never its name). The defaults are
+    # those of a gate that says nothing: every target refuses it until it states how it maps.
+    router_type = ""  # its `config.router_type`
+    renormalizes = True  # the chosen experts' weights sum to 1 (Mixtral's routing; Qwen2-MoE's `norm_topk_prob`)
+    # why no stock family's softmax top-k of linear logits computes it (None: one does)
+    stock_refusal: str | None = (
+        "the targets route by a softmax top-k of linear logits, and no exact mapping of this router is known"
+    )
+    inference_note: str | None = None  # exported as its inference routing: what training does that inference does not
+    # why its experts do not average into one FFN (`export --to dense`; None: they do)
+    dense_refusal: str | None = (
+        "router_type {router_type!r}: the dense target takes routers whose top-k weights sum to 1, and no mapping of "
+        "this router to one FFN is known"
+    )
+    untrained_tensors: tuple[str, ...] = ()  # parameters a router init leaves out, zero until trained (never exported)
 
     def __init__(self, config: LlamaMoEConfig, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
@@ -56,6 +71,9 @@ class LlamaMoERouter(nn.Module):
 class LlamaMoETopKRouter(LlamaMoERouter):
     """Softmax over all experts, keep the top-k, renormalise them to sum to 1 (Mixtral, LLaMA-MoE)."""
 
+    router_type = "top_k"
+    stock_refusal = dense_refusal = None
+
     def forward(self, hidden_states):
         router_logits = self.logits(hidden_states)  # [T, E]
         top_k_logits, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)  # [T, k]
@@ -66,6 +84,14 @@ class LlamaMoETopKRouter(LlamaMoERouter):
 class LlamaMoESwitchRouter(LlamaMoERouter):
     """Softmax over all experts, keep the top-k probabilities as they are (the Switch Transformer gate for k = 1)."""
 
+    router_type = "switch"
+    renormalizes = False
+    stock_refusal = None
+    dense_refusal = (
+        "router_type 'switch' does not renormalise the top-k probabilities: a token's experts weigh less than 1 in "
+        "all, by an amount that varies by token, which no fixed FFN computes (not even for identical experts)"
+    )
+
     def forward(self, hidden_states):
         router_logits = self.logits(hidden_states)  # [T, E]
         top_k_weights, top_k_index = torch.topk(F.softmax(router_logits, dim=-1), self.top_k, dim=-1)  # [T, k]
@@ -74,6 +100,13 @@ class LlamaMoESwitchRouter(LlamaMoERouter):
 
 class LlamaMoENoisyTopKRouter(LlamaMoETopKRouter):
     """`top_k` on `x W + N(0, 1) * softplus(x W_noise)`; the noise only in training (Shazeer et al., 2017)."""
+
+    router_type = "noisy_top_k"
+    inference_note = (
+        "router_type 'noisy_top_k' is exported as its inference routing, softmax top-k: its learned noise is added in "
+        "training only (mlp.gate.noise_weight is not exported)"
+    )
+    untrained_tensors = ("noise_weight",)
 
     def __init__(self, config, num_experts=None, top_k=None):
         super().__init__(config, num_experts, top_k)
@@ -95,6 +128,14 @@ class LlamaMoESelectorRouter(LlamaMoERouter):
     """MoEfication's expert selector: scores = `Linear(E, E)(tanh(Linear(H, E)(x)))` (`weight`, `bias`,
     `selector.{weight,bias}`); the top-k scores win and every winner gets weight exactly 1 (G-MoEfication), with a
     straight-through gradient through `sigmoid(score)` so that the selector keeps training."""
+
+    router_type = "selector"
+    renormalizes = False
+    stock_refusal = (
+        "MoEfication's selector scores experts with a tanh MLP and weights every chosen expert 1, where the targets' "
+        "routers weight them by a softmax of linear logits"
+    )
+    dense_refusal = "router_type 'selector' weights every chosen expert 1 (top-k in all), not a mean of its experts"
 
     def __init__(self, config, num_experts=None, top_k=None):
         super().__init__(config, num_experts, top_k)
@@ -122,6 +163,17 @@ class LlamaMoEAnalyticalRouter(LlamaMoERouter):
     representative neuron; the top-k of `softmax(scores) + e_score_correction_bias` win (the bias, a buffer, only
     balances the choice), each weighted `1 + softmax(scores)_e * weight_scale_e`: 1 at conversion (scale 0), and the
     path by which fine-tuning reaches the router."""
+
+    router_type = "analytical"
+    renormalizes = False
+    stock_refusal = (
+        "CMoE's router scores experts by a SwiGLU activation, |silu(x . g) * (x . u)|, and weights every chosen "
+        "expert 1 (at conversion), where the targets' routers weight them by a softmax of linear logits"
+    )
+    dense_refusal = (
+        "router_type 'analytical' weights every chosen expert 1 plus a learned share (top-k or more in all), not a "
+        "mean of its experts"
+    )
 
     def __init__(self, config, num_experts=None, top_k=None):
         super().__init__(config, num_experts, top_k)
@@ -154,6 +206,12 @@ class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
     weights [E, C], token ids [E, C]). A token's routing depends on the whole batch, later tokens included, so outside
     training the same logits route token-choice top-k (`LlamaMoETopKRouter`), which decodes with a KV cache."""
 
+    router_type = "expert_choice"
+    inference_note = (
+        "router_type 'expert_choice' is exported as its inference routing, token-choice softmax top-k (what "
+        "model.eval() and generate compute); expert-choice routing and its capacity exist in training only"
+    )
+
     def __init__(self, config, num_experts=None, top_k=None):
         super().__init__(config, num_experts, top_k)
         # C / T exactly, from the factor's decimal: 1.1 * 25 tokens * 2 / 5 experts gives C = 11, where floats give 12.
@@ -178,10 +236,13 @@ class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
 
 # `router_type` -> router class.
 ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
-    "top_k": LlamaMoETopKRouter,
-    "switch": LlamaMoESwitchRouter,
-    "noisy_top_k": LlamaMoENoisyTopKRouter,
-    "selector": LlamaMoESelectorRouter,
-    "expert_choice": LlamaMoEExpertChoiceRouter,
-    "analytical": LlamaMoEAnalyticalRouter,
+    cls.router_type: cls
+    for cls in (
+        LlamaMoETopKRouter,
+        LlamaMoESwitchRouter,
+        LlamaMoENoisyTopKRouter,
+        LlamaMoESelectorRouter,
+        LlamaMoEExpertChoiceRouter,
+        LlamaMoEAnalyticalRouter,
+    )
 }

@@ -7,8 +7,8 @@ top-level function or class at a time) and project descriptions in Markdown and 
 installed distribution but this package, from its metadata, so it depends on what is installed). Debian's licences
 and manual pages, the texts quality claims are confirmed on (`benchmarks/common.py`), are none of these; descriptions
 that carry a whole licence are left out. The code overlaps `llama-moe offline-data`'s pretrain/code split.
-Measured as calibration for the sparsity presets in docs/quality.md ("Calibration corpus and the levers"): the
-docstrings are better.
+Measured as calibration for the sparsity presets in benchmarks/reports/calibration-and-levers.md ("Calibration corpus
+and the levers"): the docstrings are better.
 """
 
 import ast
@@ -119,7 +119,7 @@ BUILTIN_CORPORA = ("docstrings", "mixed")  # `builtin:NAME`; None is the first
 
 def builtin_corpus(name: str = "docstrings") -> tuple[list[str], str]:
     """A built-in corpus (see the module's docstring) and a one-line description of it."""
-    if name in ("chat", "chat-mixed"):
+    if name in ("chat", "chat-mixed", "chat-self", "self"):
         raise ValueError(
             f"builtin:{name} is written by the dense model during a conversion (`llama-moe convert`, text/chat.py); "
             "it is no text to read here: `llama-moe offline-data --chat-tokens N` writes it to a file."

@@ -428,7 +428,9 @@ def test_refusals(converted, tiny_dense, tiny_calibration, tmp_path, capsys):
     gmoefication = convert_to_moe(dense, tmp_path / "g", num_experts=4, compensation=True, router_init="selector",
                                   selector_steps=5, **calibration).output_dir  # fmt: skip
     compensated = convert_to_moe(dense, tmp_path / "c", num_experts=4, compensation=True, **calibration).output_dir
-    attn = convert_to_moe(dense, tmp_path / "a", attn_experts=2, attn_top_k=1, progress=False).output_dir
+    attn = convert_to_moe(
+        dense, tmp_path / "a", family="attn_moe", attn_experts=2, attn_top_k=1, progress=False
+    ).output_dir
     soap = convert_to_moe(dense, tmp_path / "s", family="soap_moe", num_experts=2, progress=False).output_dir
     cases = [
         (gmoefication, "qwen2_moe", "router_type 'selector'"),

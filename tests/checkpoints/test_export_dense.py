@@ -143,7 +143,9 @@ def test_shared_experts_follow_the_merged_expert_and_dense_layers_are_padded(tin
 
 def test_refusals(tiny_dense, noisy, tmp_path, capsys):
     dense, out = tiny_dense[0], str(tmp_path / "out")
-    attn = convert_to_moe(dense, tmp_path / "a", attn_experts=2, attn_top_k=1, progress=False).output_dir
+    attn = convert_to_moe(
+        dense, tmp_path / "a", family="attn_moe", attn_experts=2, attn_top_k=1, progress=False
+    ).output_dir
     soap = convert_to_moe(dense, tmp_path / "s", family="soap_moe", num_experts=2, progress=False).output_dir
     save_tiny_moe(tmp_path / "switch", router_type="switch")
     save_tiny_source(tmp_path / "phi3-dense", "phi3")

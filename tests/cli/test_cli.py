@@ -132,6 +132,40 @@ def test_recipe_file_with_flags_overriding_it(tmp_path, dense, tiny_calibration,
     assert "not_a_setting" in capsys.readouterr().err
 
 
+def parsed_recipe(*flags, config=None):
+    """The recipe `llama-moe convert FLAGS` builds (nothing converted)."""
+    from llama_moe_hf.commands import build_parser
+    from llama_moe_hf.commands.convert import recipe_and_run
+
+    argv = ["convert", "--output", "out", *flags, *(["--config", str(config)] if config else [])]
+    (args,) = build_parser().parse_args_and_config(argv)
+    return recipe_and_run(args)[0]
+
+
+@pytest.mark.parametrize("segment_length", [128, 256])  # 256 is SoapMoE's default: given, it counts all the same
+def test_the_command_line_and_the_python_api_build_the_same_recipe(tmp_path, segment_length):
+    from llama_moe_hf.conversion.plan import resolve_recipe
+    from llama_moe_hf.conversion.recipe import MoERecipe
+
+    flags = ("--family", "soap_moe", "--num-experts", "4", "--segment-length", str(segment_length))
+    api = MoERecipe(family="soap_moe", num_experts=4, options={"segment_length": segment_length})
+    assert parsed_recipe(*flags) == api
+    assert resolve_recipe(parsed_recipe(*flags)) == resolve_recipe(api)
+    config = tmp_path / "recipe.yaml"
+    config.write_text(f"family: soap_moe\nnum_experts: 4\nsegment_length: {segment_length}\n")
+    assert parsed_recipe(config=config) == api  # a recipe file's keys count as flags do
+
+
+@pytest.mark.parametrize("flags", [("--segment-length", "256"), ("--attn-experts", "3")])
+def test_an_option_of_a_family_not_chosen_is_refused_in_one_line(tmp_path, dense, capsys, flags):
+    """The family is chosen (`--family`, the preset or recipe file), never guessed from the options set."""
+    family = {"--segment-length": "soap_moe", "--attn-experts": "attn_moe"}[flags[0]]
+    assert main(["convert", "--model", str(dense), "--output", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {flags[0]} is an option of the {family} family, not of llama_moe: add --family {family}."
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_lists_the_registered_components(capsys):
     assert main(["convert", "--help"]) == 0
     text = capsys.readouterr().out

@@ -269,13 +269,14 @@ def test_context_loads_once_runs_one_pass_and_releases(tiny_model, monkeypatch):
         context.importance("other", [0], num_groups=1)
 
 
-def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(caplog):
+def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(tmp_path, monkeypatch):
     """`builtin:chat`: calibration prompts answered by the dense model, made before it is released, as much as the
     healing stages will read; no held-out prompt among them."""
     from helpers import CHAT_TEMPLATE, char_tokenizer
 
     from llama_moe_hf.text.prompts import prompts
 
+    monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(tmp_path))
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_llama().eval()
@@ -288,11 +289,50 @@ def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(caplog)
     context.release()  # makes the heal stages' 1,536 tokens now: the model is gone after this
     assert context.tokens(1536).shape == (6, 256) and loads == [1]
     assert context.data_description.startswith("built-in corpus chat:")
-    texts = context._chats.texts(1536)
+    texts = context._made["chat"].texts(1536)
     calibration = [p.text for p in prompts("calibration")]
     assert all(text.startswith(f"user: {prompt}\nassistant: ") for text, prompt in zip(texts, calibration))
     held_out = {p.text for split in ("check", "choose", "confirm") for p in prompts(split)}
-    assert not any(prompt in held_out for prompt, _ in context._chats.pairs)
+    assert not any(prompt in held_out for prompt, _ in context._made["chat"].pairs)
+
+
+def test_builtin_chat_answers_are_cached_per_model(tmp_path, monkeypatch):
+    """A second conversion of the same model reads the answers made by the first and answers only what is new; a model
+    with other weights answers everything again."""
+    from helpers import CHAT_TEMPLATE, char_tokenizer
+
+    from llama_moe_hf.text.chat import SelfDistilledChats
+
+    monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(tmp_path))
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_llama().eval()
+    generated = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: generated.append(len(kw["input_ids"])) or generate(**kw))
+
+    def chats(m, num_tokens):
+        context = CalibrationContext(
+            MoERecipe(calibration_data="builtin:chat", calibration_tokens=num_tokens),
+            lambda *_: m,
+            lambda: tokenizer,
+            device="cpu",
+            progress=False,
+        )
+        assert context.input_ids.shape[1] == 256  # made the conversations
+        return context._made["chat"]
+
+    first = chats(model, 512)
+    made = len(generated)
+    assert made and list(tmp_path.glob("chat/*.jsonl"))
+    second = chats(model, 512)
+    assert len(generated) == made and second.pairs == first.pairs[: len(second.pairs)]  # read back, none answered
+    cached = SelfDistilledChats(model, tokenizer, cache=tmp_path / "chat")
+    all_cached = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in first._texts)
+    cached.texts(all_cached + 1)  # one conversation past the cached ones: one batch answered
+    assert cached.pairs[: len(first.pairs)] == first.pairs and len(generated) == made + 1
+    other = tiny_llama(seed=1).eval()
+    assert SelfDistilledChats(other, tokenizer, cache=tmp_path / "chat")._cached == []
 
 
 def test_builtin_chat_without_a_chat_template_falls_back_to_the_mixed_corpus(caplog):
@@ -303,3 +343,29 @@ def test_builtin_chat_without_a_chat_template_falls_back_to_the_mixed_corpus(cap
     with caplog.at_level("WARNING"):
         assert context.input_ids.shape == (2, 256)
     assert "no chat template" in caplog.text and context.data_description.startswith("built-in corpus mixed")
+
+
+@pytest.mark.parametrize("data", ["builtin:self", "builtin:chat-self"])
+def test_builtin_self_is_text_the_dense_model_samples_and_the_same_each_time(tmp_path, monkeypatch, data):
+    """`builtin:self`: texts the dense model writes from its start token (seeded: the same model writes the same
+    texts, read back from the cache or made again); `builtin:chat-self`: a conversation and a sampled text in turn."""
+    from helpers import CHAT_TEMPLATE, char_tokenizer
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_llama().eval()
+
+    def context_ids(cache):
+        monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(cache))
+        recipe = MoERecipe(calibration_data=data, calibration_tokens=1024)
+        context = CalibrationContext(recipe, lambda *_: model, lambda: tokenizer, device="cpu", progress=False)
+        return context.input_ids, context
+
+    ids, context = context_ids(tmp_path / "a")
+    assert ids.shape == (4, 256)
+    assert torch.equal(context_ids(tmp_path / "a")[0], ids) and torch.equal(context_ids(tmp_path / "b")[0], ids)
+    sampled = context._made["self"]._texts
+    assert len(set(sampled)) == len(sampled) > 1 and not any(text.startswith("user: ") for text in sampled)
+    if data == "builtin:chat-self":
+        texts = context._self_made_texts(1024)[0]
+        assert texts[0].startswith("user: ") and texts[1] == sampled[0] and texts[2].startswith("user: ")

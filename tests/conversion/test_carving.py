@@ -18,9 +18,14 @@ from helpers import (
 )
 
 from llama_moe_hf import LlamaMoEConfig, build_moe, convert_to_moe
-from llama_moe_hf.conversion import carving
 from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.carving import activation_markers, balanced_assignment, l1_distances, split_carve
+from llama_moe_hf.conversion.methods.carve import carving
+from llama_moe_hf.conversion.methods.carve.carving import (
+    activation_markers,
+    balanced_assignment,
+    l1_distances,
+    split_carve,
+)
 from llama_moe_hf.conversion.split_files import load_splits
 from llama_moe_hf.export.base import model_reasons
 from llama_moe_hf.modeling.routers import ROUTER_CLASSES

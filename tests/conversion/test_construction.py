@@ -7,10 +7,19 @@ from helpers import assert_partition, assert_same_logits, calibrated_split, load
 
 from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
 from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.clustering import balanced_kmeans, kmeans_router, sample_rows, split_cluster
 from llama_moe_hf.conversion.experts import ExpertSplit
-from llama_moe_hf.conversion.importance import assign_by_importance, split_sharing_inner, split_sharing_inter
 from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
+from llama_moe_hf.conversion.methods.cluster.clustering import (
+    balanced_kmeans,
+    kmeans_router,
+    sample_rows,
+    split_cluster,
+)
+from llama_moe_hf.conversion.methods.shared.importance import (
+    assign_by_importance,
+    split_sharing_inner,
+    split_sharing_inter,
+)
 from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
 from llama_moe_hf.perplexity import sliding_window_perplexity
 from llama_moe_hf.text.documents import load_texts
@@ -412,6 +421,7 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
         router_init="selector",
         compensation=True,
         selector_steps=2,
+        family="attn_moe",
         attn_experts=2,
         attn_top_k=1,
         attn_router_init="fit",

@@ -9,9 +9,9 @@ from helpers import tiny_llama_config
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.conversion import gmoefication as g
 from llama_moe_hf.conversion.calibration import tokenize_calibration
 from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
+from llama_moe_hf.conversion.routers.selector import gmoefication as g
 from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
 

@@ -112,6 +112,7 @@ def test_the_made_up_method_splits_as_declared(strided, tiny_dense):
         ),
         dict(method="residual", num_experts=3, num_shared_experts=1, top_k=1),
         dict(
+            family="attn_moe",
             attn_experts=8,
             attn_top_k=4,
             attn_router_init="fit",
@@ -178,7 +179,7 @@ def test_defaults_are_resolved_without_changing_the_recipe_given():
     selector = resolve_recipe(MoERecipe(router_init="selector"))
     assert (selector.router_type, selector.score_scale_factor) == ("selector", 1.0)
     assert selector.options == {"selector_steps": 100, "selector_objective": "listwise"}
-    attention = resolve_recipe(MoERecipe(options={"attn_experts": 2}), tiny_llama_config())
+    attention = resolve_recipe(MoERecipe(family="attn_moe", options={"attn_experts": 2}), tiny_llama_config())
     assert attention.family == "attn_moe" and attention.options["attn_top_k"] == 1
     assert attention.options["attn_score_scale_factor"] == 1.0 and attention.options["attn_router_init"] == "random"
 
@@ -207,8 +208,14 @@ def test_defaults_are_resolved_without_changing_the_recipe_given():
         (dict(options={"nope": 1}), "Unknown option 'nope'"),
         (dict(method="cluster", options={"cluster_on": "down"}), "--cluster-on must be one of gate, up, both"),
         (dict(router_init="selector", options={"selector_steps": 1.5}), "selector_steps must be <class 'int'>"),
-        (dict(num_experts=4, options={"attn_experts": 2}), "--num-experts shape an MLP MoE; add --mlp-moe"),
-        (dict(family="llama_moe", options={"attn_experts": 2}), "--attn-experts applies to model family 'attn_moe'"),
+        (
+            dict(num_experts=4, family="attn_moe", options={"attn_experts": 2}),
+            "--num-experts shape an MLP MoE; add --mlp-moe",
+        ),
+        (
+            dict(family="llama_moe", options={"attn_experts": 2}),
+            "--attn-experts is an option of the attn_moe family, not of llama_moe: add --family attn_moe",
+        ),
     ],
 )
 def test_impossible_recipes_are_refused_with_one_clear_error(fields, message):

@@ -10,7 +10,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from llama_moe_hf import AttnMoEConfig, AttnMoEForCausalLM, build_moe, convert_to_moe
 from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.attention_fit import expert_output_norms, fit_attention_router
+from llama_moe_hf.conversion.routers.fit.attention_fit import expert_output_norms, fit_attention_router
 from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling import modeling_attn_moe
 from llama_moe_hf.modeling.cache_compat import CACHE_ARG, output_cache
@@ -35,6 +35,7 @@ def attn_config(dense_config, **fields) -> AttnMoEConfig:
 def all_experts(num_experts: int, **fields) -> dict:
     """Every expert selected with unit weight: top-k = E, zero router (weights 1/E), scale factor E."""
     return dict(
+        family="attn_moe",
         attn_experts=num_experts,
         attn_top_k=num_experts,
         attn_score_scale_factor=float(num_experts),
@@ -124,7 +125,12 @@ def test_output_is_the_weighted_sum_of_expert_outputs(num_experts, top_k, router
     """Against an independent reference: dense LlamaAttention per-head outputs, each expert through its o_proj slice."""
     dense = dense_model()
     model = build_moe(
-        dense, attn_experts=num_experts, attn_top_k=top_k, attn_router_type=router_type, attn_score_scale_factor=1.7
+        dense,
+        family="attn_moe",
+        attn_experts=num_experts,
+        attn_top_k=top_k,
+        attn_router_type=router_type,
+        attn_score_scale_factor=1.7,
     )
     attention = model.model.layers[0].self_attn
     torch.nn.init.normal_(attention.gate.weight, std=1.0)  # decisive routing
@@ -174,7 +180,7 @@ def test_smollm2_all_experts_is_the_dense_model(smollm2, real_text):
 @pytest.fixture(scope="module")
 def routed_smollm2(smollm2):
     """SmolLM2 with 9 attention experts (one query head each), top-6, random routers, scale 6 (kept heads ~ unit)."""
-    model = build_moe(smollm2[0], attn_experts=9, attn_top_k=6, attn_score_scale_factor=6.0, seed=3)
+    model = build_moe(smollm2[0], family="attn_moe", attn_experts=9, attn_top_k=6, attn_score_scale_factor=6.0, seed=3)
     return model, smollm2[1]
 
 
@@ -197,7 +203,7 @@ def test_generation_with_cache_equals_without(routed_smollm2):
 
 @pytest.mark.smoke
 def test_cached_decoding_equals_the_full_forward_tiny():
-    model = build_moe(dense_model(), attn_experts=8, attn_top_k=3)
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=8, attn_top_k=3)
     ids = batch_of_ids(length=12)
     with torch.no_grad():
         full = model(ids).logits
@@ -224,7 +230,7 @@ def test_left_padded_batch_generation_equals_one_by_one(routed_smollm2):
 def test_beam_search_with_cache_equals_without():
     # Large init: decisive logits, so the beams do not hinge on float noise.
     dense = dense_model(initializer_range=0.5)
-    model = build_moe(dense, attn_experts=4, attn_top_k=2)
+    model = build_moe(dense, family="attn_moe", attn_experts=4, attn_top_k=2)
     ids = batch_of_ids(batch=1, length=6)
     beams = dict(max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -235,7 +241,7 @@ def test_beam_search_with_cache_equals_without():
 
 def test_eager_equals_sdpa_with_padding():
     dense = dense_model()
-    model = build_moe(dense, attn_experts=4, attn_top_k=2)
+    model = build_moe(dense, family="attn_moe", attn_experts=4, attn_top_k=2)
     ids = batch_of_ids(length=10)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -256,7 +262,7 @@ def test_eager_equals_sdpa_with_padding():
 def test_attention_only_router_logits_and_aux_loss_match_trl():
     from trl.trainer.utils import add_fused_lm_head
 
-    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2)
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=4, attn_top_k=2)
     ids = batch_of_ids()
     out = model(ids, labels=ids, output_router_logits=True)
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (24, 4)
@@ -274,7 +280,9 @@ def test_attention_only_router_logits_and_aux_loss_match_trl():
 
 
 def test_combined_with_mlp_moe_reports_both_router_groups():
-    model = build_moe(dense_model(), attn_experts=2, attn_top_k=1, attn_layers=["1"], mlp_moe=True, num_experts=4)
+    model = build_moe(
+        dense_model(), family="attn_moe", attn_experts=2, attn_top_k=1, attn_layers=["1"], mlp_moe=True, num_experts=4
+    )
     ids = batch_of_ids()
     out = model(ids, output_router_logits=True)
     assert [t.shape for t in out.router_logits] == [(24, 4), (24, 4)]  # MLP routers
@@ -286,7 +294,7 @@ def test_combined_with_mlp_moe_reports_both_router_groups():
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "llama_moe_cpu"])
 def test_mlp_experts_implementation_can_be_switched(implementation):
-    model = build_moe(dense_model(), attn_experts=2, mlp_moe=True, num_experts=4)
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=2, mlp_moe=True, num_experts=4)
     ids = batch_of_ids()
     with torch.no_grad():
         model.set_experts_implementation("eager")
@@ -300,7 +308,7 @@ def test_attention_balance_and_z_losses_reach_the_gradients_in_training():
     """With an MLP MoE, `router_logits` (what the head and TRL weight) are the MLP routers': the attention routers'
     balance loss and every router's z-loss still reach `loss` (and the gradients) when the head computes it."""
     ids = batch_of_ids()
-    fields = dict(attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4)
+    fields = dict(family="attn_moe", attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4)
     model = build_moe(dense_model(), **fields).train()
     model.config.router_z_loss_coef = 0.3
     reference = build_moe(dense_model(), **fields).train()
@@ -334,7 +342,7 @@ def test_combined_all_experts_is_the_dense_model():
 @pytest.mark.smoke
 @torch.no_grad()
 def test_static_cache_and_compiled_decoding():
-    model = build_moe(dense_model(), attn_experts=8, attn_top_k=3, mlp_moe=True, num_experts=4)
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=8, attn_top_k=3, mlp_moe=True, num_experts=4)
     ids = batch_of_ids(batch=1, length=6)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
@@ -372,7 +380,14 @@ def test_generate_compiles_attn_moe_only_on_a_cpu(monkeypatch):
 @pytest.mark.smoke
 def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
     model = build_moe(
-        dense_model(), attn_experts=4, attn_top_k=2, mlp_moe=True, moe_layers=["1"], num_experts=4, top_k=1
+        dense_model(),
+        family="attn_moe",
+        attn_experts=4,
+        attn_top_k=2,
+        mlp_moe=True,
+        moe_layers=["1"],
+        num_experts=4,
+        top_k=1,
     )
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -397,7 +412,7 @@ def test_save_and_load_with_remote_code_in_a_fresh_process(tmp_path):
 def test_lora_adapter_trains():
     from peft import LoraConfig, get_peft_model
 
-    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2).train()
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=4, attn_top_k=2).train()
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0))
     ids = batch_of_ids(length=16)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -419,8 +434,8 @@ def test_lora_adapter_trains():
 
 def test_attention_conversion_keeps_the_projections_and_adds_seeded_routers():
     dense = dense_model()
-    first, second = (build_moe(dense, attn_experts=4, attn_top_k=2, seed=1) for _ in range(2))
-    zero = build_moe(dense, attn_experts=4, attn_top_k=2, attn_router_init="zero")
+    first, second = (build_moe(dense, family="attn_moe", attn_experts=4, attn_top_k=2, seed=1) for _ in range(2))
+    zero = build_moe(dense, family="attn_moe", attn_experts=4, attn_top_k=2, attn_router_init="zero")
     state, dense_state = first.state_dict(), dense.state_dict()
     assert set(state) == set(dense_state) | {f"model.layers.{i}.self_attn.gate.weight" for i in (0, 1)}
     assert all(torch.equal(state[k], v) for k, v in dense_state.items())
@@ -457,7 +472,7 @@ def test_fitted_router_prefers_the_experts_with_the_largest_outputs(smollm2, rea
 
 @torch.no_grad()
 def test_gathered_attention_still_returns_attention_weights_when_asked():
-    model = build_moe(dense_model(), attn_experts=4, attn_top_k=2)
+    model = build_moe(dense_model(), family="attn_moe", attn_experts=4, attn_top_k=2)
     model.config.attention_experts_implementation = "gathered"
     model.set_attn_implementation("eager")
     ids = batch_of_ids()
@@ -471,8 +486,8 @@ def test_gathered_attention_still_returns_attention_weights_when_asked():
 @pytest.mark.parametrize("num_experts, top_k", [(2, 1), (8, 3)])
 def test_gathered_implementation_equals_masked(implementation, num_experts, top_k):
     dense = dense_model(attention_bias=True)
-    masked = build_moe(dense, attn_experts=num_experts, attn_top_k=top_k)
-    gathered = build_moe(dense, attn_experts=num_experts, attn_top_k=top_k)
+    masked = build_moe(dense, family="attn_moe", attn_experts=num_experts, attn_top_k=top_k)
+    gathered = build_moe(dense, family="attn_moe", attn_experts=num_experts, attn_top_k=top_k)
     gathered.config.attention_experts_implementation = "gathered"
     for model in (masked, gathered):
         model.set_attn_implementation(implementation)
@@ -513,6 +528,7 @@ def test_converter_all_experts_reproduces_dense(tmp_path, tiny_dense_folder):
     result = convert_to_moe(
         path,
         tmp_path / "out",
+        family="attn_moe",
         attn_experts=8,
         attn_top_k=8,
         attn_router_init="zero",
@@ -533,7 +549,15 @@ def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
 
     path, _ = tiny_dense_folder
     result = convert_to_moe(
-        path, tmp_path / "out", attn_experts=2, attn_top_k=1, mlp_moe=True, num_experts=4, top_k=2, progress=False
+        path,
+        tmp_path / "out",
+        family="attn_moe",
+        attn_experts=2,
+        attn_top_k=1,
+        mlp_moe=True,
+        num_experts=4,
+        top_k=2,
+        progress=False,
     )
     out = result.output_dir
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -558,15 +582,18 @@ def test_converter_combined_with_mlp_moe(tmp_path, tiny_dense_folder):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(attn_experts=3), r"Valid counts: \[2, 4, 8\]"),
-        (dict(attn_experts=4, attn_top_k=5), "between 1 and num_attention_experts=4"),
-        (dict(attn_experts=4, num_experts=4), "--num-experts shape an MLP MoE; add --mlp-moe"),
+        (dict(family="attn_moe", attn_experts=3), r"Valid counts: \[2, 4, 8\]"),
+        (dict(family="attn_moe", attn_experts=4, attn_top_k=5), "between 1 and num_attention_experts=4"),
+        (dict(family="attn_moe", attn_experts=4, num_experts=4), "--num-experts shape an MLP MoE; add --mlp-moe"),
         (
-            dict(attn_experts=4, attn_router_init="kmeans"),
+            dict(family="attn_moe", attn_experts=4, attn_router_init="kmeans"),
             "'kmeans' cannot start attention routers; choose one of fit, random, uniform_random, zero",
         ),
-        (dict(attn_experts=4, attn_router_type="selector"), "A 'selector' router is made by router init selector"),
-        (dict(attn_experts=4, attn_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
+        (
+            dict(family="attn_moe", attn_experts=4, attn_router_type="selector"),
+            "A 'selector' router is made by router init selector",
+        ),
+        (dict(family="attn_moe", attn_experts=4, attn_granularity="kv_group"), r"whole groups.*Valid counts: \[1, 2\]"),
     ],
 )
 def test_converter_bad_attention_options(tmp_path, tiny_dense_folder, options, message):
@@ -577,7 +604,16 @@ def test_converter_bad_attention_options(tmp_path, tiny_dense_folder, options, m
 
 def test_cli_attention_flags(tmp_path, tiny_dense_folder):
     out = tmp_path / "cli"
-    args = ["convert", "--model", str(tiny_dense_folder[0]), "--output", str(out), "--no-progress"]
+    args = [
+        "convert",
+        "--model",
+        str(tiny_dense_folder[0]),
+        "--output",
+        str(out),
+        "--no-progress",
+        "--family",
+        "attn_moe",
+    ]
     assert main(args + ["--attn-experts", "4", "--attn-top-k", "2", "--attn-score-scale-factor", "1.5"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert (config["num_attention_experts_per_tok"], config["attention_score_scale_factor"]) == (2, 1.5)

@@ -77,8 +77,8 @@ def test_the_cycle_check_can_fail():
 # that conversion never depends on what uses it. Peers on one floor may import each other.
 FLOORS = [
     {"modeling", "registry", "perplexity", "behaviour", "lm_head", "distillation", "devices"},
-    {"source_families", "text", "preflight", "parsing"},
-    {"checkpoints", "hub"},
+    {"source_families", "preflight", "parsing"},
+    {"checkpoints", "hub", "text"},  # text: the cache of what the dense model writes (`text.chat`) is written atomically
     {"conversion"},
     {"evaluation", "training", "similarity", "analysis", "export", "loading", "chat"},
     {"merging"},
@@ -128,6 +128,40 @@ def test_no_function_is_longer_than_60_lines(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))  # 61 lines with the def: the check fails
     (tmp_path / "long.py").write_text(f"def f():\n{body}")
     assert long_functions([tmp_path / "long.py"]) == [f"{tmp_path / 'long.py'}:1 f (61 lines)"]
+
+
+ROUTER_HOMES = ("modeling", "conversion/routers")  # where a gate's name may be spelled out
+
+
+def router_type_literals(files) -> list[str]:
+    """`path:line` of every router type's name a `router_type` is compared with or set to: what a gate means is read
+    from its class (`modeling.routers`), never decided by its name elsewhere."""
+    from llama_moe_hf.modeling.routers import ROUTER_CLASSES
+
+    def names(node) -> set:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in ROUTER_CLASSES}
+
+    found = []
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = any(isinstance(n, ast.Attribute) and n.attr.endswith("router_type") for n in sides)
+                literal = any(names(n) for n in sides)
+            elif isinstance(node, ast.keyword):
+                named, literal = (node.arg or "").endswith("router_type"), bool(names(node.value))
+            else:
+                continue
+            if named and literal:
+                found.append(f"{file}:{getattr(node, 'lineno', None) or node.value.lineno}")
+    return found
+
+
+def test_no_router_type_is_decided_by_its_name_outside_the_router_classes(tmp_path):
+    files = [f for f in PACKAGE.rglob("*.py") if not any(f"llama_moe_hf/{home}" in str(f) for home in ROUTER_HOMES)]
+    assert router_type_literals(files) == []
+    (tmp_path / "named.py").write_text('if config.router_type == "switch":\n    pass\nf(router_type="top_k")\n')
+    assert len(router_type_literals([tmp_path / "named.py"])) == 2  # the check can fail
 
 
 def test_the_command_line_answers_without_importing_torch_or_transformers():

@@ -142,7 +142,9 @@ def test_every_router_loss_trains_alike_under_sft_trainer_and_trainer(tmp_path):
     the one of the model's own loss, which `Trainer` uses."""
     from trl import SFTConfig, SFTTrainer
 
-    model = build_moe(tiny_llama(), attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4).train()
+    model = build_moe(
+        tiny_llama(), family="attn_moe", attn_experts=4, attn_top_k=2, mlp_moe=True, num_experts=4
+    ).train()
     model.config.router_z_loss_coef, model.config.router_aux_loss_coef = 0.5, 0.1
     for layer in model.model.layers:  # the z-loss weight is read when the model is built
         layer.mlp.z_loss_weight = layer.self_attn.z_loss_weight = 0.5 / model.config.num_router_layers

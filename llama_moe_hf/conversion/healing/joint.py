@@ -6,7 +6,8 @@ stage pays for them once. It is `recipes/pretrain/joint-heal.yaml` run inside th
 settings: the KL to the dense model (temperature 1) at `--joint-heal-kl-weight` (the calibration text's LM loss has the
 rest: 0.5 by default, 1 in the presets), the routers' balance loss at 0.01, batches of 4
 sequences, AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), a tenth of the steps of warm-up, then cosine to a
-tenth of the learning rate, gradients clipped at 1 (measurements: docs/quality.md, "Calibration corpus and the levers").
+tenth of the learning rate, gradients clipped at 1 (measurements: benchmarks/reports/calibration-and-levers.md,
+"Calibration corpus and the levers").
 The last batch is held back: its KL to the dense model before and after training is what the stage reports, and a
 stage that ends further from the dense model than it began says so as a warning.
 
@@ -125,8 +126,8 @@ def heal_built_model(model, dense_model, context, recipe, progress: bool = False
 
 def joint_heal_tokens(context, recipe) -> torch.Tensor:
     """The joint stage's `[B, S]` calibration tokens: those after the tokens the layer-wise heal fitted, on which the
-    MoE already matches the dense model layer by layer and which teach this stage less (docs/quality.md); the first
-    ones where the text has no more."""
+    MoE already matches the dense model layer by layer and which teach this stage less
+    (benchmarks/reports/calibration-and-levers.md); the first ones where the text has no more."""
     seq_len = recipe.calibration_seq_len
     tokens = context.tokens(recipe.heal_tokens + recipe.joint_heal_tokens)
     fresh = tokens[recipe.heal_tokens // seq_len :]

@@ -236,7 +236,7 @@ def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: H
     learning rate following `schedule` over the layer's steps."""
     from transformers import get_scheduler
 
-    from ..gmoefication import selector_loss
+    from ..routers.selector.gmoefication import selector_loss
 
     block.requires_grad_(True)
     # One fused kernel for the whole Adam update where torch has one (CPU and CUDA)
@@ -263,7 +263,7 @@ def _train_block(block, inputs: torch.Tensor, targets: torch.Tensor, settings: H
 @torch.no_grad()
 def _energy(block, states: torch.Tensor) -> torch.Tensor:
     """`[T, E]`: what each token loses when each expert is left out (its output against its compensation)."""
-    from ..gmoefication import deviation_energy
+    from ..routers.selector.gmoefication import deviation_energy
 
     experts = block.experts
     zero_mean = experts.down_proj.new_zeros(experts.num_experts, experts.intermediate_dim)

@@ -17,14 +17,15 @@ class ResidualSplit(CalibratedSplit):
     def default_score_scale(cls, num_experts: int, top_k: int) -> float:
         # Not LLaMA-MoE v1's N/k: v2's experts are each the neurons most important to their own token group, next to
         # an always-on shared expert, so N/k multiplies one expert's output by up to N. 1 + top-1 of 7 on SmolLM2:
-        # 544,043x the dense perplexity with N/k = 7, 43.7x with 1 (docs/quality.md, "The residual default").
+        # 544,043x the dense perplexity with N/k = 7, 43.7x with 1 (benchmarks/reports/gmoefication.md, "The residual
+        # default").
         return 1.0
 
     def request_data(self, context) -> None:
         context.request_mlp(self.target.layers)
 
     def construct(self, context) -> dict:
-        from ..importance import router_groups, split_sharing_inter
+        from .shared.importance import router_groups, split_sharing_inter
 
         t = self.target
         routers = {i: context.kmeans_centroids(i, t.num_experts) for i in t.layers}

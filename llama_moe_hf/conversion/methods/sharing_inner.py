@@ -8,7 +8,7 @@ def text_group_importance(method, context) -> dict:
     """Neuron importance per group of calibration texts: the sequences are clustered into one group per expert by
     their mean final hidden state (LLaMA-MoE clustered its texts by sentence embeddings; the dense model's own
     representation needs no other model), then a gradient pass sums |h * dL/dh| per group."""
-    from ..importance import text_groups
+    from .shared.importance import text_groups
 
     t = method.target
     groups = text_groups(context.sequence_embeddings(), t.num_experts, seed=method.recipe.seed)
@@ -28,7 +28,7 @@ class SharingInnerSplit(CalibratedSplit):
         context.request_sequence_embeddings()
 
     def construct(self, context) -> dict:
-        from ..importance import split_sharing_inner
+        from .shared.importance import split_sharing_inner
 
         stats = text_group_importance(self, context)
         return {i: split_sharing_inner(stats[i].importance, self.expert_size()) for i in self.target.layers}

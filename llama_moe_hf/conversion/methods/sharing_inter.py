@@ -16,7 +16,7 @@ class SharingInterSplit(CalibratedSplit):
         context.request_sequence_embeddings()
 
     def construct(self, context) -> dict:
-        from ..importance import split_sharing_inter
+        from .shared.importance import split_sharing_inter
 
         stats = text_group_importance(self, context)
         shared = self.target.num_shared_experts

@@ -1,8 +1,8 @@
 """`expert_data`: each expert model's row is the base model's mean hidden state at each decoder layer's input over the
 tokens of that expert's own text (its `data`: a file, folder or dataset), minus the mean of the expert models' rows
 (`expert_data_center`), L2-normalised per layer. Centred, because the mean states of different texts share one large
-direction: uncentred rows are nearly parallel and the router can barely tell the domains apart (docs/quality.md,
-"Branch-Train-MiX", measures both)."""
+direction: uncentred rows are nearly parallel and the router can barely tell the domains apart
+(benchmarks/reports/branch-train-mix.md, "Branch-Train-MiX", measures both)."""
 
 import logging
 from dataclasses import dataclass

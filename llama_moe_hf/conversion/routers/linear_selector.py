@@ -16,8 +16,7 @@ temperature `t` that best reproduces unit weights on the calibration tokens:
 from dataclasses import dataclass
 
 from ..registry import ROUTER_INITS, option
-from ..settings import SELECTOR_OBJECTIVES
-from .selector import SelectorRouter
+from .selector import SELECTOR_OBJECTIVES, SelectorRouter
 
 TEMPERATURES = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 TEMPERATURE_TOKENS = 2048  # calibration tokens the temperature is chosen on

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .experts import ExpertSplit, check_split_sizes
-from .settings import CLUSTER_ON
+from ...experts import ExpertSplit, check_split_sizes
+from . import CLUSTER_ON
 
 # Calibration MLP inputs used by k-means routers and by neuron profiles (cluster_on="activations"): a seeded subset
 # keeps exact balanced k-means affordable (one SmolLM2 layer: 1.8 s for 4096 points, 5.1 s for 8192, 18 s for

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from ..registry import METHODS, option
-from .base import CalibratedSplit
+from ...registry import METHODS, option
+from ..base import CalibratedSplit
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class CarveSplit(CalibratedSplit):
 
     def split(self, layer_idx, dense, context):
         if layer_idx not in self._splits:
-            from ..carving import activation_markers, split_carve
+            from .carving import activation_markers, split_carve
 
             markers = activation_markers(
                 context.mlp(layer_idx).hidden_states,

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .clustering import balanced_kmeans
-from .experts import ExpertSplit, check_split_sizes
+from ...experts import ExpertSplit, check_split_sizes
+from ..cluster.clustering import balanced_kmeans
 
 
 def text_groups(embeddings: torch.Tensor, num_groups: int, *, seed: int = 0) -> torch.Tensor:

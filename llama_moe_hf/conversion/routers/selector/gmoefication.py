@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..modeling.configuration_llama_moe import LlamaMoEConfig
-from ..modeling.routers import ROUTER_CLASSES
-from .experts import ExpertSplit
-from .settings import SELECTOR_OBJECTIVES
+from ....modeling.configuration_llama_moe import LlamaMoEConfig
+from ....modeling.routers import ROUTER_CLASSES
+from ...experts import ExpertSplit
+from . import SELECTOR_OBJECTIVES
 
 logger = logging.getLogger(__name__)
 ENERGY_CHUNK_TOKENS = 2048
@@ -117,7 +117,8 @@ def selector_loss(scores: torch.Tensor, energy: torch.Tensor, objective: str = "
     `"listwise"` (default): listwise cross-entropy (ListNet). Only the ranking of the scores matters to a top-k
     router, so they are fit to the log energies up to a per-token constant, from both ends: `softmax(scores)` to the
     energy shares (which experts to keep, what top-2 needs) and `softmax(-scores)` to the inverse-energy shares (which
-    experts to drop, what top-6 of 8 needs). On SmolLM2 this ranks better at every k than `"bce"` (docs/quality.md).
+    experts to drop, what top-6 of 8 needs). On SmolLM2 this ranks better at every k than `"bce"`
+    (benchmarks/reports/gmoefication.md).
     `"bce"`: MoEfication's objective, binary cross-entropy of `sigmoid(scores)` against each expert's energy divided
     by the token's largest.
     """

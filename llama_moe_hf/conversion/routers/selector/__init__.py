@@ -2,10 +2,11 @@
 
 from dataclasses import dataclass
 
-from ..registry import ROUTER_INITS, option
-from ..settings import SELECTOR_OBJECTIVES
-from ..target import MLP, SELECTOR_STREAM, layer_seed
-from .base import RouterInit
+from ...registry import ROUTER_INITS, option
+from ...target import MLP, SELECTOR_STREAM, layer_seed
+from ..base import RouterInit
+
+SELECTOR_OBJECTIVES = ("listwise", "bce")  # the selector router's training loss
 
 
 @dataclass(frozen=True)
@@ -13,7 +14,8 @@ class SelectorOptions:
     selector_steps: int = option(100, "L-BFGS iterations per layer of the selector's training")
     selector_objective: str = option(
         "listwise",
-        "the selector's loss: listwise ranking (ranks better on SmolLM2, docs/quality.md) or MoEfication's bce",
+        "the selector's loss: listwise ranking (ranks better on SmolLM2, benchmarks/reports/gmoefication.md) or "
+        "MoEfication's bce",
         choices=SELECTOR_OBJECTIVES,
     )
 
@@ -42,7 +44,7 @@ class SelectorRouter(RouterInit):
 
     def fit(self, layer_idx, built, context) -> tuple[dict, dict]:
         """One layer's fitted router state and its held-out quality (`gmoefication.train_layer_selector`)."""
-        from ..gmoefication import train_layer_selector
+        from .gmoefication import train_layer_selector
 
         stats = context.mlp(layer_idx)
         mean = stats.mean_activation[built.split.expert_neurons] if self.recipe.compensation else None

@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from ..registry import ROUTER_INITS, option
-from ..target import ATTENTION
-from .base import RouterInit
+from ...registry import ROUTER_INITS, option
+from ...target import ATTENTION
+from ..base import RouterInit
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class FitRouter(RouterInit):
         context.request_attention(self.target.layers, self.target.num_experts)
 
     def tensors(self, layer_idx, built, context) -> dict:
-        from ..attention_fit import fit_attention_router
+        from .attention_fit import fit_attention_router
 
         o = self.options
         stats = context.attention(layer_idx, self.target.num_experts)

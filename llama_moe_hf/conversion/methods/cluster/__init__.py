@@ -2,9 +2,10 @@
 
 from dataclasses import dataclass
 
-from ..registry import METHODS, option
-from ..settings import CLUSTER_ON
-from .base import CalibratedSplit
+from ...registry import METHODS, option
+from ..base import CalibratedSplit
+
+CLUSTER_ON = ("gate", "up", "both", "activations")  # what --method cluster clusters
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ClusterSplit(CalibratedSplit):
 
     def split(self, layer_idx, dense, context):
         if layer_idx not in self._splits:
-            from ..clustering import split_cluster
+            from .clustering import split_cluster
 
             activations = self.options.cluster_on == "activations"
             self._splits[layer_idx] = split_cluster(

@@ -9,7 +9,7 @@ split_carve          the most often active neurons -> shared experts; the others
 import torch
 import torch.nn.functional as F
 
-from .experts import ExpertSplit, check_split_sizes
+from ...experts import ExpertSplit, check_split_sizes
 
 MARKER_CHUNK_TOKENS = 4096  # tokens per activation matmul: bounds the `[t, I]` intermediates
 
