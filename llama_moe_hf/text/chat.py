@@ -58,13 +58,16 @@ class SelfMade:
         """The first texts: at least `num_tokens` tokens and `count` texts of them (all there are, at most)."""
         from tqdm.auto import tqdm
 
-        bar = tqdm(desc=self.progress_label, unit="token", total=num_tokens, disable=not self.progress)
-        bar.update(min(self._tokens, num_tokens))
+        by_count = count > 0 and not num_tokens  # the bar counts what is asked for: texts or tokens
+        goal, made = (count, lambda: len(self._texts)) if by_count else (num_tokens, lambda: self._tokens)
+        unit = "text" if by_count else "token"
+        bar = tqdm(desc=self.progress_label, unit=unit, total=goal, disable=not self.progress)
+        bar.update(min(made(), goal))
         while (self._tokens < num_tokens or len(self._texts) < count) and len(self._texts) < self.limit:
-            before, done = self._tokens, len(self._texts)
+            before, done = made(), len(self._texts)
             for row in self._cached[done : done + BATCH] if done < len(self._cached) else self._make(done):
                 self._add(row)
-            bar.update(min(self._tokens, num_tokens) - min(before, num_tokens))
+            bar.update(min(made(), goal) - min(before, goal))
         bar.close()
         self._write_cache()
         if self._tokens < num_tokens:
