@@ -16,16 +16,19 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    # recipes/convert/ ships inside the package as llama_moe_hf/presets, so `--preset` works from any install
-    packages=[*find_packages(include=["llama_moe_hf", "llama_moe_hf.*"]), "llama_moe_hf.presets"],
-    package_dir={"llama_moe_hf.presets": "recipes/convert"},
+    # recipes/convert/ ships inside the package as llama_moe/presets, so `--preset` works from any install
+    # llama_moe_hf: the model code (importing it registers the families); llama_moe: the tools and the command
+    packages=[
+        *find_packages(include=["llama_moe_hf", "llama_moe_hf.*", "llama_moe", "llama_moe.*"]),
+        "llama_moe.presets",
+    ],
+    package_dir={"llama_moe.presets": "recipes/convert"},
     package_data={
-        "llama_moe_hf.evaluation": ["tasks/*.yaml", "tasks/*.jsonl"],  # the local lm-eval task
-        "llama_moe_hf.presets": ["*.yaml"],
+        "llama_moe.evaluation": ["tasks/*.yaml", "tasks/*.jsonl"],  # the local lm-eval task
+        "llama_moe.presets": ["*.yaml"],
     },
-    py_modules=["llama_moe_cli"],
     # Everything the documented commands' default paths import; what only an option needs is an extra, and the
-    # command refuses that option at once, before any model is loaded, naming the extra (llama_moe_hf/preflight.py).
+    # command refuses that option at once, before any model is loaded, naming the extra (llama_moe/preflight.py).
     install_requires=[
         "torch>=2.13",  # tests/other_ends.py runs the smoke tests on the newest; CI runs the suite on 2.13.0
         "transformers" + CONSTANTS["TRANSFORMERS_REQUIREMENT"],
@@ -64,8 +67,8 @@ setup(
         ],
     },
     entry_points={
-        "console_scripts": ["llama-moe=llama_moe_cli:main"],
+        "console_scripts": ["llama-moe=llama_moe.commands:main"],
         # the model code's save calls these (modeling/save_hooks.py, SAVE_HOOKS): the card of a `trl sft` run
-        "llama_moe_hf.model_saved": ["training_card=llama_moe_hf.training.trl_card:on_model_saved"],
+        "llama_moe_hf.model_saved": ["training_card=llama_moe.training.trl_card:on_model_saved"],
     },
 )

@@ -112,8 +112,8 @@ def copy_bandwidth(device: str = "cpu", megabytes: int = 512, repeats: int = 5) 
 
 def heldout_tokens(tokenizer, max_tokens: int = MAX_TOKENS, texts: tuple = TEXTS) -> dict:
     """The first `max_tokens` tokens `[N]` of each held-out text of `texts`."""
-    from llama_moe_hf.text.documents import iter_documents
-    from llama_moe_hf.text.tokens import token_stream
+    from llama_moe.text.documents import iter_documents
+    from llama_moe.text.tokens import token_stream
 
     missing = [name for name in texts if not (HELDOUT / name).is_dir()]
     if missing:
@@ -124,7 +124,7 @@ def heldout_tokens(tokenizer, max_tokens: int = MAX_TOKENS, texts: tuple = TEXTS
 def perplexities(model, tokens: dict, batch_size: int = 8, window: int = WINDOW) -> dict:
     """{name: perplexity of `model` on tokens[name]}, over non-overlapping `window`-token windows (each window's
     first token is context only)."""
-    from llama_moe_hf.perplexity import sliding_window_perplexity
+    from llama_moe.perplexity import sliding_window_perplexity
 
     return {
         name: sliding_window_perplexity(model, ids, window, window, batch_size).perplexity
@@ -137,7 +137,7 @@ def kl_to_dense(model, dense, tokens: dict, batch_size: int = 8, window: int = W
     remainder dropped): how far a converted model is from its source on each text, whatever the text's own loss."""
     import torch
 
-    from llama_moe_hf.distillation import distillation_kl
+    from llama_moe.distillation import distillation_kl
 
     result = {}
     for name, ids in tokens.items():

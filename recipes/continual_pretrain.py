@@ -12,16 +12,16 @@ Distillation from the dense model the MoE was converted from (KL to its next-tok
 Several processes: `torchrun --nproc_per_node N recipes/continual_pretrain.py ...`, or
 `accelerate launch --config_file recipes/accelerate/<ddp|zero2|zero3|fsdp2>.yaml recipes/continual_pretrain.py ...`.
 
-Options: `ContinualPretrainArguments` (llama_moe_hf/training/pretrain.py) and transformers' `TrainingArguments`, from
-flags or the YAML `--config` (`llama_moe_hf.parsing.Parser`, TRL's `TrlParser`; flags override the file).
+Options: `ContinualPretrainArguments` (llama_moe/training/pretrain.py) and transformers' `TrainingArguments`, from
+flags or the YAML `--config` (`llama_moe.parsing.Parser`, TRL's `TrlParser`; flags override the file).
 """
 
 from transformers import TrainingArguments
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
-from llama_moe_hf.parsing import Parser
-from llama_moe_hf.training.distill import check_training_and_teacher
-from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
+from llama_moe.parsing import Parser
+from llama_moe.training.distill import check_training_and_teacher
+from llama_moe.training.pretrain import ContinualPretrainArguments, continual_pretrain
 
 
 def main(argv=None):

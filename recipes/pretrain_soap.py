@@ -9,8 +9,8 @@ Several processes, with the stock launcher (two CPU processes over gloo here; dr
     torchrun --nproc_per_node 2 recipes/pretrain_soap.py --config recipes/pretrain/soap-small.yaml --use_cpu \
         --ddp_backend gloo --output_dir outputs/soap-ddp
 
-Options: `SoapPretrainArguments` (llama_moe_hf/training/soap_pretrain.py, which holds the recipe's code) and
-transformers' `TrainingArguments`, from flags or a YAML `--config` (`llama_moe_hf.parsing.Parser`, TRL's
+Options: `SoapPretrainArguments` (llama_moe/training/soap_pretrain.py, which holds the recipe's code) and
+transformers' `TrainingArguments`, from flags or a YAML `--config` (`llama_moe.parsing.Parser`, TRL's
 `TrlParser`; flags override the file). Documents come from `--documents` (as `llama-moe batch-similar` reads them;
 default: the built-in corpus); a held-out set of whole documents is the validation text. Writes the final model as a
 complete checkpoint and `results.json` to --output_dir; a killed run, run again, continues from the newest complete
@@ -20,8 +20,8 @@ checkpoint of its stage and ends with the weights of an uninterrupted run (`--ov
 from transformers import TrainingArguments
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
-from llama_moe_hf.parsing import Parser
-from llama_moe_hf.training.soap_pretrain import SoapPretrainArguments, preflight, pretrain
+from llama_moe.parsing import Parser
+from llama_moe.training.soap_pretrain import SoapPretrainArguments, preflight, pretrain
 
 
 def main(argv=None) -> None:

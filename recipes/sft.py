@@ -13,15 +13,15 @@ Several processes: `torchrun --nproc_per_node N recipes/sft.py --config ...`, or
 
 Options: TRL's `ScriptArguments`, `SFTConfig`, `ModelConfig`, `DatasetMixtureConfig` (exactly `trl sft`'s) plus
 `MoESFTArguments` (`--freeze_routers`, `--distill` and the teacher's settings), from flags or the YAML `--config`
-(`llama_moe_hf.parsing.Parser`); flags override the file.
+(`llama_moe.parsing.Parser`); flags override the file.
 """
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
 
 import llama_moe_hf  # noqa: F401  (registers the model families)
-from llama_moe_hf.parsing import Parser
-from llama_moe_hf.training.distill import check_training_and_teacher
-from llama_moe_hf.training.sft import MoESFTArguments, run_sft
+from llama_moe.parsing import Parser
+from llama_moe.training.distill import check_training_and_teacher
+from llama_moe.training.sft import MoESFTArguments, run_sft
 
 
 def main(argv=None):

@@ -11,9 +11,9 @@ from helpers import logits, save_tiny_dense, save_tiny_moe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.text.corpus import stdlib_docstrings
-from llama_moe_hf.training.offline_data import stdlib_functions
+from llama_moe.checkpoints import default_model_path
+from llama_moe.text.corpus import stdlib_docstrings
+from llama_moe.training.offline_data import stdlib_functions
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `-n N` (pytest-xdist): the cores shared out, not oversubscribed
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not macOS
@@ -86,8 +86,8 @@ def domains(tmp_path_factory, real_text) -> dict[str, str]:
 def no_model_loads(monkeypatch):
     """Loading a model (a dense source for conversion, or a model for analyze/eval) fails the test: what is refused
     must be refused before."""
-    from llama_moe_hf import loading
-    from llama_moe_hf.checkpoints.folder import FolderSource
+    from llama_moe import loading
+    from llama_moe.checkpoints.folder import FolderSource
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded")

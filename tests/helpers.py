@@ -19,6 +19,9 @@ from transformers import (
     Qwen3Config,
 )
 
+from llama_moe.conversion.calibration import CalibrationContext
+from llama_moe.conversion.plan import ConversionPlan
+from llama_moe.source_families import dense_config_fields, source_family
 from llama_moe_hf import (
     AttnMoEConfig,
     AttnMoEForCausalLM,
@@ -28,9 +31,6 @@ from llama_moe_hf import (
     SoapMoEConfig,
     SoapMoEForCausalLM,
 )
-from llama_moe_hf.conversion.calibration import CalibrationContext
-from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.source_families import dense_config_fields, source_family
 
 TINY_VOCAB = 128
 
@@ -222,7 +222,7 @@ class FakeHfApi:
 
 _REMOTE_LOAD = """
 import sys, json, torch
-sys.modules["llama_moe_hf"] = None  # the package must not be needed
+sys.modules["llama_moe_hf"] = sys.modules["llama_moe"] = None  # the package must not be needed
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
 ids = torch.tensor(json.loads(sys.argv[2]))
@@ -310,7 +310,7 @@ def interrupt_the_second_replace(monkeypatch) -> None:
     (`monkeypatch.undo()` restores it)."""
     import os
 
-    from llama_moe_hf.checkpoints import atomic
+    from llama_moe.checkpoints import atomic
 
     real_replace, calls = os.replace, []
 
@@ -345,7 +345,7 @@ def ffn_variant(base, seed: int):
 
 def export_refusal(argv: list[str], capsys) -> str:
     """`llama-moe export` refusing: exit status 2, one `error:` line, no output folder."""
-    from llama_moe_hf.commands import main
+    from llama_moe.commands import main
 
     output = argv[argv.index("--output") + 1]
     assert main(["export", *argv, "--no-progress"]) == 2

@@ -30,7 +30,7 @@ step() {  # name limit command...: appends the command's output to OUT_DIR/name.
 
 step gpu_check 200 $PY benchmarks/gpu/gpu_check.py &
 HEALED=$(mktemp -d)/healed
-step heal 170 $PY -m llama_moe_hf convert --method random --num-experts 8 --top-k 2 --heal-tokens 32768 --no-eval \
+step heal 170 $PY -m llama_moe convert --method random --num-experts 8 --top-k 2 --heal-tokens 32768 --no-eval \
   --output "$HEALED"
 $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['conversion_info']['healing'])" "$HEALED/config.json" \
   >> "$OUT_DIR/heal.txt" 2>&1

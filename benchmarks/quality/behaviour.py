@@ -1,4 +1,4 @@
-"""What converted folders keep of the dense model's behaviour (`llama_moe_hf.behaviour`): their greedy
+"""What converted folders keep of the dense model's behaviour (`llama_moe.behaviour`): their greedy
 answers to held-out chat prompts next to the dense model's, the KL over its answers, the checkable answers' accuracy,
 and KL, next-token agreement and perplexity on held-out text of other domains. One row per model in
 benchmarks/results/behaviour.jsonl.
@@ -9,7 +9,7 @@ Settings are chosen on one prompt set and one text and confirmed on the others (
     python benchmarks/quality/behaviour.py outputs/presets/sparse-50 --set confirm    # 214 others, licences, HOWTOs
     python benchmarks/quality/behaviour.py --noise-floor --set confirm                # the dense weights in bfloat16
 
-The prompts (`llama_moe_hf.text.prompts`, templates and offline facts) are split by what they ask about: no
+The prompts (`llama_moe.text.prompts`, templates and offline facts) are split by what they ask about: no
 calibration prompt (`builtin:chat`) asks what a held-out one asks. The texts: `benchmarks/common.py` (write them with
 `make_heldout.py`), 4,096 tokens of each in 256-token rows.
 """
@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import heldout_tokens, record, recorded_calibration
-from llama_moe_hf import behaviour
-from llama_moe_hf.loading import load_model
-from llama_moe_hf.text.prompts import prompts
+from llama_moe import behaviour
+from llama_moe.loading import load_model
+from llama_moe.text.prompts import prompts
 
 SETS = {"choose": ("choose", ("manpages",)), "confirm": ("confirm", ("licences", "howto"))}
 TEXT_TOKENS = 4096

@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 def cli(tree: Path, args: list[str], threads: int) -> tuple[list[str], dict]:
     """The `llama-moe` command line run from `tree`, and its environment."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    return [sys.executable, "-m", "llama_moe_cli", *args], env
+    return [sys.executable, "-m", "llama_moe", *args], env
 
 
 def timed(command: list[str], env: dict, cwd: Path) -> dict:
     """Run `command`; its wall time, CPU time (user + system) and peak RSS."""
-    print("$", shlex.join(command[2:]).replace("llama_moe_cli", "llama-moe", 1), flush=True)
+    print("$", shlex.join(command[2:]).replace("llama_moe", "llama-moe", 1), flush=True)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, cwd=cwd)

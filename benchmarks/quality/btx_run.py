@@ -58,9 +58,9 @@ def merge_stage() -> None:
     prompt gate, timed."""
     import dataclasses
 
-    from llama_moe_hf.conversion.settings import RunOptions
-    from llama_moe_hf.merging.config import config_from_dict, read_yaml
-    from llama_moe_hf.merging.pipeline import merge
+    from llama_moe.conversion.settings import RunOptions
+    from llama_moe.merging.config import config_from_dict, read_yaml
+    from llama_moe.merging.pipeline import merge
 
     config = config_from_dict(read_yaml(ROOT / "recipes" / "btx" / "merge.yaml"))
     prompted = tuple(
@@ -83,8 +83,8 @@ def merge_stage() -> None:
 
 def texts(tokenizer, max_tokens: int) -> dict:
     """The first `max_tokens` tokens of each domain's test file and of the general text."""
-    from llama_moe_hf.text.documents import iter_documents
-    from llama_moe_hf.text.tokens import token_stream
+    from llama_moe.text.documents import iter_documents
+    from llama_moe.text.tokens import token_stream
 
     paths = {d: ROOT / "data" / "offline" / "pretrain" / d / "test.jsonl" for d in DOMAINS}
     streams = {name: token_stream(iter_documents(str(path)), tokenizer, max_tokens) for name, path in paths.items()}
@@ -107,8 +107,8 @@ def evaluate_stage(max_tokens: int, only: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llama_moe_hf.checkpoints.folder import read_tokenizer
-    from llama_moe_hf.loading import DEFAULT_MODEL, model_folder
+    from llama_moe.checkpoints.folder import read_tokenizer
+    from llama_moe.loading import DEFAULT_MODEL, model_folder
 
     dense = model_folder(DEFAULT_MODEL)
     tokens = texts(read_tokenizer(str(dense)), max_tokens)

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import chunk_perplexity
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe.conversion.plan import ConversionPlan
+from llama_moe.text.documents import load_texts
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.text.documents import load_texts
 
 SPLITS = {
     "random": {"method": "random"},

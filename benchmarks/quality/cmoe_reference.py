@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import heldout_tokens, perplexities, report
-from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.methods.carve.carving import activation_markers, split_carve
-from llama_moe_hf.loading import load_model
-from llama_moe_hf.text.documents import load_texts
+from llama_moe.conversion.calibration import tokenize_calibration
+from llama_moe.conversion.methods.carve.carving import activation_markers, split_carve
+from llama_moe.loading import load_model
+from llama_moe.text.documents import load_texts
 
 DEVICE_PATCHES = (("'cuda'", "'cpu'"), ("torch.bfloat16", "torch.float32"))
 CONFIG = re.compile(r"S(\d+)A(\d+)E(\d+)")

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llama_moe.export import export_model
 from llama_moe_hf import convert_to_moe
-from llama_moe_hf.export import export_model
 
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

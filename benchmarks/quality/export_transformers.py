@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 from benchmarks.common import heldout_tokens, record
 from benchmarks.quality.export_llama_cpp import chat_prompt
-from llama_moe_hf.export import export_model
+from llama_moe.export import export_model
 
 TARGETS = ("qwen2_moe", "mixtral")
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import MAX_TOKENS, OTHER_DOMAINS, TEXTS, heldout_tokens, kl_to_dense, perplexities, report
-from llama_moe_hf.loading import load_model
+from llama_moe.loading import load_model
 
 
 def main() -> None:

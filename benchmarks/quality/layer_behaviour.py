@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import record
 from benchmarks.quality.behaviour import SETS, rows
-from llama_moe_hf import behaviour
-from llama_moe_hf.loading import load_model
-from llama_moe_hf.text.prompts import prompts
+from llama_moe import behaviour
+from llama_moe.loading import load_model
+from llama_moe.text.prompts import prompts
 
 PREFIX_STEP = 5  # the first 5, 10, ... layers converted together
 

@@ -16,8 +16,8 @@ import json
 
 import torch
 
-from llama_moe_hf.loading import load_model
-from llama_moe_hf.text.corpus import builtin_corpus
+from llama_moe.loading import load_model
+from llama_moe.text.corpus import builtin_corpus
 
 
 def active_share(config) -> float:

@@ -12,7 +12,7 @@
 The last two are of other domains than any calibration corpus here, the texts a claim is confirmed on.
 
 `--builtin-corpus NAME` also writes data/calibration/builtin-NAME.jsonl, one of the package's built-in corpora
-(`llama_moe_hf/text/corpus.py`: `docstrings`, the default calibration text, or `mixed`) as JSON lines, for recipes
+(`llama_moe/text/corpus.py`: `docstrings`, the default calibration text, or `mixed`) as JSON lines, for recipes
 that read files (`recipes/pretrain/joint-heal.yaml`).
 
 `--domain-matched` writes data/calibration/domain-matched.jsonl, a diagnostic calibration text of the confirming
@@ -91,8 +91,8 @@ def unseen_paragraphs(text: str, seen: set[tuple[str, ...]]) -> str:
 def domain_matched(heldout: Path, output: Path) -> int:
     """Docstrings, licence notices and unused manual pages in turn (the module docstring), as JSON lines. Reads the
     held-out licences and manual pages under `heldout`, so they must be written first."""
-    from llama_moe_hf.text.corpus import builtin_corpus as corpus
-    from llama_moe_hf.text.corpus import in_turn
+    from llama_moe.text.corpus import builtin_corpus as corpus
+    from llama_moe.text.corpus import in_turn
 
     held_out = [p for kind in ("licences", "manpages") for p in sorted((heldout / kind).glob("*.txt"))]
     seen = set().union(*(shingles(p.read_text()) for p in held_out))
@@ -107,7 +107,7 @@ def domain_matched(heldout: Path, output: Path) -> int:
 
 def builtin_corpus(name: str, output: Path) -> int:
     """One of the package's built-in corpora as JSON lines, for what reads files (a recipe's `domains`)."""
-    from llama_moe_hf.text.corpus import builtin_corpus as corpus
+    from llama_moe.text.corpus import builtin_corpus as corpus
 
     texts, _ = corpus(name)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ from benchmarks.common import (
     recorded_calibration,
     report,
 )
-from llama_moe_hf.commands import main as llama_moe
-from llama_moe_hf.loading import load_model
+from llama_moe.commands import main as llama_moe
+from llama_moe.loading import load_model
 
 PRESETS_FILE = RESULTS / "presets.jsonl"
 

@@ -32,12 +32,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import chunk_perplexity
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe.conversion.plan import ConversionPlan
+from llama_moe.conversion.routers.selector import gmoefication
+from llama_moe.text.corpus import stdlib_docstrings
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.conversion.routers.selector import gmoefication
-from llama_moe_hf.text.corpus import stdlib_docstrings
 
 NUM_EXPERTS = 8
 SEQ_LEN = 256

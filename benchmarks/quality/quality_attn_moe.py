@@ -24,13 +24,13 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import chunk_perplexity
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe.conversion.routers.fit.attention_fit import expert_output_norms
+from llama_moe.text.corpus import stdlib_docstrings
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.routers.fit.attention_fit import expert_output_norms
 from llama_moe_hf.modeling.cache_compat import CACHE_ARG
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
-from llama_moe_hf.text.corpus import stdlib_docstrings
 
 
 class OracleRouter(nn.Module):

@@ -27,7 +27,7 @@ def held_out_blocks(recipe: Path, tokenizer, seq_len: int, eval_blocks: int) -> 
     """The first `eval_blocks` held-out blocks per domain, as the recipe's training evaluated them."""
     import yaml
 
-    from llama_moe_hf.training.pretrain import ContinualPretrainArguments, load_domains
+    from llama_moe.training.pretrain import ContinualPretrainArguments, load_domains
 
     config = yaml.safe_load(recipe.read_text())
     fields = {k: config[k] for k in ("domains", "held_out", "held_out_fraction", "text_column") if k in config}
@@ -71,8 +71,8 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.training.sampling import domain_losses
+    from llama_moe.checkpoints import default_model_path
+    from llama_moe.training.sampling import domain_losses
 
     runs = dict(spec.partition("=")[::2] if "=" in spec else (Path(spec).name, spec) for spec in args.trained)
     finished = [Path(f) for f in runs.values() if (Path(f) / "training_history.json").is_file()]

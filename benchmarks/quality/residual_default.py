@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import heldout_tokens, perplexities
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import CalibrationContext
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import CalibrationContext
 
 ROWS = {
     "before: k-means router, score scale N/k = 7": dict(score_scale_factor=7.0),

@@ -117,7 +117,7 @@ def main(argv=None) -> None:
 
 def draw_plots(workdir: Path, images: Path) -> None:
     """The plots docs/analysis.md shows, drawn again from the analysis.json files."""
-    from llama_moe_hf.analysis.plots import distance_heatmaps, routing_heatmaps
+    from llama_moe.analysis.plots import distance_heatmaps, routing_heatmaps
 
     for name, plots in SHOWN.items():
         sites = json.loads((workdir / slug(name) / "analysis" / "analysis.json").read_text())["sites"]

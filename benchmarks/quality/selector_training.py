@@ -23,13 +23,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.experts import build_expert_tensors
-from llama_moe_hf.conversion.methods.cluster.clustering import split_cluster
-from llama_moe_hf.conversion.routers.selector import gmoefication as g
-from llama_moe_hf.conversion.statistics import collect_calibration
-from llama_moe_hf.text.corpus import stdlib_docstrings
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import tokenize_calibration
+from llama_moe.conversion.experts import build_expert_tensors
+from llama_moe.conversion.methods.cluster.clustering import split_cluster
+from llama_moe.conversion.routers.selector import gmoefication as g
+from llama_moe.conversion.statistics import collect_calibration
+from llama_moe.text.corpus import stdlib_docstrings
 
 TOP_K = (2, 4, 6, 7)
 OBJECTIVES = ("bce-adam", "bce-lbfgs", "listwise-lbfgs")

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import OTHER_DOMAINS, TEXTS, heldout_tokens, perplexities, record
 from benchmarks.tables import sparsity_table
+from llama_moe.checkpoints import default_model_path
+from llama_moe.conversion.calibration import CalibrationContext
 from llama_moe_hf import MoERecipe, build_moe
-from llama_moe_hf.checkpoints import default_model_path
-from llama_moe_hf.conversion.calibration import CalibrationContext
 
 NUM_EXPERTS = 8
 SHARED = {"random": 0, "cluster": 0, "sharing-inner": 0, "sharing-inter": 1, "residual": 1, "carve": 1}

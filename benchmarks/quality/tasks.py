@@ -57,7 +57,7 @@ def write_task() -> dict:
     """The lm-eval task config of the set (written with its data under data/tasks/ the first time)."""
     data = TASKS / "offline_continuation.jsonl"
     if not data.is_file():
-        from llama_moe_hf.text.corpus import stdlib_docstrings
+        from llama_moe.text.corpus import stdlib_docstrings
 
         rng = random.Random(0)
         rows = items("docstrings", stdlib_docstrings(), rng) + items("manpages", manual_pages(), rng)
@@ -84,7 +84,7 @@ def accuracies(folder: str, tasks: list) -> tuple[dict, str | None]:
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    from llama_moe_hf.loading import load_model
+    from llama_moe.loading import load_model
 
     model, tokenizer, _ = load_model(folder, dtype="float32", device="cpu")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=16, backend="causal")
@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from llama_moe_hf.evaluation.harness import local_tasks
+    from llama_moe.evaluation.harness import local_tasks
 
     torch.set_num_threads(args.threads)
     tasks = [write_task(), *local_tasks().values()]

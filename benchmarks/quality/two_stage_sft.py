@@ -26,7 +26,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "sft"
 def sft_stage(config: str, model: str, output: Path, data: Path, overrides: list[str], fractions=None):
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-    from llama_moe_hf.training.sft import MoESFTArguments, run_sft
+    from llama_moe.training.sft import MoESFTArguments, run_sft
 
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, MoESFTArguments))
     argv = ["--config", config, "--model_name_or_path", model, "--output_dir", str(output), *overrides]

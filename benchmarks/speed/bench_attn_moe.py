@@ -19,9 +19,9 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import interleaved_times
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import AttnMoEConfig
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
-from llama_moe_hf.source_families import dense_config_fields
 
 SMOLLM2 = dict(
     hidden_size=576,

@@ -23,7 +23,7 @@ def short_documents(count: int, seed: int = 0) -> list[str]:
 
     import numpy as np
 
-    from llama_moe_hf.text.corpus import stdlib_docstrings
+    from llama_moe.text.corpus import stdlib_docstrings
 
     sentences = [s.strip() for text in stdlib_docstrings() for s in re.split(r"(?<=[.!?])\s+", text) if len(s) > 20]
     rng = np.random.default_rng(seed)
@@ -33,8 +33,8 @@ def short_documents(count: int, seed: int = 0) -> list[str]:
 
 
 def run_one(count: int, search: str) -> dict:
-    from llama_moe_hf.similarity.options import BatchSimilarOptions
-    from llama_moe_hf.similarity.pipeline import batch_similar
+    from llama_moe.similarity.options import BatchSimilarOptions
+    from llama_moe.similarity.pipeline import batch_similar
 
     texts = short_documents(count)
     with tempfile.TemporaryDirectory() as tmp:

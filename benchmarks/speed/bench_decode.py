@@ -13,7 +13,7 @@ generated kernels, aten calls (external kernels such as attention and top-k, and
 before each call, the Python of the compiled graph's wrapper that launches its kernels, and the rest (`generate`'s
 own Python and what the profiler does not see), over the steps after the prefill.
 
-In float32 on CPU every model's linear layers run on every thread where that pays (`llama_moe_hf.lm_head`: in eager
+In float32 on CPU every model's linear layers run on every thread where that pays (`llama_moe.lm_head`: in eager
 mode the LM head through oneDNN, as `llama-moe chat` runs it; compiled, every `Linear` at one row as an inductor
 reduction, `use_threaded_linears`): torch's own float32 matrix-vector product uses one thread. `--threaded lm-head`
 threads the LM head alone (the setting of earlier tables), `--threaded none` times torch's products throughout.
@@ -30,7 +30,7 @@ measurement in N fresh processes and reports the median ratio and the spread.
 
     python benchmarks/speed/bench_decode.py                          # 3 processes, 2 threads
     python benchmarks/speed/bench_decode.py --processes 1 --profile
-    python benchmarks/speed/bench_decode.py --threaded none          # torch's one-thread products (no llama_moe_hf.lm_head)
+    python benchmarks/speed/bench_decode.py --threaded none          # torch's one-thread products (no llama_moe.lm_head)
     python benchmarks/speed/bench_decode.py --compile --top-k 2 4 6  # compiled, 2/8, 4/8 and 6/8 splits in one table
     python benchmarks/speed/bench_decode.py --compile --profile      # and where a compiled step goes
     python benchmarks/speed/bench_decode.py --presets sparse-25 sparse-50 sparse-75 g-moefication   # presets' layouts
@@ -55,9 +55,9 @@ def load_models(args) -> tuple[dict, object]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from llama_moe.checkpoints import default_model_path
+    from llama_moe.lm_head import use_threaded_linears, use_threaded_lm_head
     from llama_moe_hf import build_moe
-    from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.lm_head import use_threaded_linears, use_threaded_lm_head
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -189,7 +189,7 @@ def run_worker(command: list[str]) -> dict:
 
 
 def threaded(args) -> str:
-    """Which linear layers run on every thread (llama_moe_hf.lm_head): only ever float32 on CPU."""
+    """Which linear layers run on every thread (llama_moe.lm_head): only ever float32 on CPU."""
     cpu_float32 = args.device == "cpu" and args.dtype == "float32"
     return args.threaded if cpu_float32 else "none"
 
@@ -214,8 +214,8 @@ def preset_model(name: str, dense, tokenizer):
     """A model with preset `name`'s layout (experts, shared experts, top-k, router, compensation), calibrated on 4096
     tokens (16 sequences: enough to group), its selector barely trained and not healed, layer-wise or jointly: the
     speed of a layout does not depend on how well its weights were chosen."""
+    from llama_moe.conversion.recipe import load_recipe, preset_path
     from llama_moe_hf import build_moe
-    from llama_moe_hf.conversion.recipe import load_recipe, preset_path
 
     recipe, _ = load_recipe(preset_path(name))
     fast = dict(calibration_tokens=4096, calibration_samples=4096, heal_tokens=0, joint_heal_tokens=0)  # 16 sequences

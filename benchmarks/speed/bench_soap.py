@@ -33,8 +33,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.common`
 
 from benchmarks.common import interleaved_times, medians
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
-from llama_moe_hf.source_families import dense_config_fields
 
 
 def smollm2_shape(layers: int) -> LlamaConfig:
@@ -122,7 +122,7 @@ def bench_train(args) -> None:
 def bench_decode(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    from llama_moe_hf.checkpoints import default_model_path
+    from llama_moe.checkpoints import default_model_path
 
     dense = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     soap = build_moe(dense, family="soap_moe", num_experts=8, options={"routing_mode": "prompt"}).eval()

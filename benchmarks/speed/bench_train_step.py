@@ -30,7 +30,7 @@ def load(variant: str):
     from transformers import AutoModelForCausalLM
 
     import llama_moe_hf
-    from llama_moe_hf.checkpoints import default_model_path
+    from llama_moe.checkpoints import default_model_path
 
     if variant not in ("dense", "upcycle-8x2"):  # a converted folder: only its own weights in this process
         return AutoModelForCausalLM.from_pretrained(variant, dtype=torch.float32)
@@ -45,8 +45,8 @@ def load(variant: str):
 def worker(variant: str, batch: int, length: int, steps: int) -> dict:
     from transformers import AutoTokenizer
 
-    from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.text.corpus import stdlib_docstrings
+    from llama_moe.checkpoints import default_model_path
+    from llama_moe.text.corpus import stdlib_docstrings
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())

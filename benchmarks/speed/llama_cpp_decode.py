@@ -59,9 +59,9 @@ def exported_models(
     tmp: Path, top_ks: list[int], outtypes: list[str], presets: list[str], num_experts: int = 8, extra=()
 ) -> tuple[dict[str, Path], dict[str, Path]]:
     """({'dense F16', '2/8 Q8_0', 'sparse-25 F16', 'folder:NAME F16', ...: the GGUF file}, {name: the folder})."""
+    from llama_moe.checkpoints import default_model_path
+    from llama_moe.export import export_model
     from llama_moe_hf import convert_to_moe
-    from llama_moe_hf.checkpoints import default_model_path
-    from llama_moe_hf.export import export_model
 
     folders = {"dense": Path(default_model_path())}
     for k in top_ks:
@@ -240,7 +240,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from llama_moe_hf.checkpoints import default_model_path
+    from llama_moe.checkpoints import default_model_path
 
     torch.set_num_threads(args.threads)  # the copy bandwidth's threads, as llama.cpp's
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())

@@ -9,6 +9,11 @@ import torch
 import torch.nn.functional as F
 from helpers import char_tokenizer, save_tiny_moe, tiny_llama_config
 
+from llama_moe.analysis.analyze import AnalyzeOptions, analyze_model, write_report
+from llama_moe.analysis.plots import image_size
+from llama_moe.analysis.probes.base import capacity_dropped
+from llama_moe.commands import main
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import (
     AttnMoEConfig,
     AttnMoEForCausalLM,
@@ -17,11 +22,6 @@ from llama_moe_hf import (
     SoapMoEConfig,
     SoapMoEForCausalLM,
 )
-from llama_moe_hf.analysis.analyze import AnalyzeOptions, analyze_model, write_report
-from llama_moe_hf.analysis.plots import image_size
-from llama_moe_hf.analysis.probes.base import capacity_dropped
-from llama_moe_hf.commands import main
-from llama_moe_hf.source_families import dense_config_fields
 
 TOKEN_A, TOKEN_B = 67, 68  # "a" and "b" in the character tokenizer
 LOGITS = {TOKEN_A: [2.0, 1.0, 0.0, -1.0], TOKEN_B: [-1.0, 0.0, 1.5, 1.0]}  # top-2: experts {0, 1} and {2, 3}

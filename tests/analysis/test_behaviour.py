@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import quick_check_scores
 
-from llama_moe_hf import behaviour
-from llama_moe_hf.conversion.quick_check import QuickCheck, held_out_rows, licence_texts
-from llama_moe_hf.text.prompts import CHECK_PER_KIND, SPLITS, Prompt, prompts
+from llama_moe import behaviour
+from llama_moe.conversion.quick_check import QuickCheck, held_out_rows, licence_texts
+from llama_moe.text.prompts import CHECK_PER_KIND, SPLITS, Prompt, prompts
 
 
 def test_prompt_splits_are_disjoint_in_what_they_ask_and_deterministic():

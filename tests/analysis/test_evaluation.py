@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import char_tokenizer, save_tiny_dense, save_tiny_moe, tiny_llama, tiny_moe
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.evaluation.evaluate import evaluate, measure
-from llama_moe_hf.evaluation.options import EvalOptions
-from llama_moe_hf.perplexity import sliding_window_perplexity, windows
+from llama_moe.commands import main
+from llama_moe.evaluation.evaluate import evaluate, measure
+from llama_moe.evaluation.options import EvalOptions
+from llama_moe.perplexity import sliding_window_perplexity, windows
 
 TOKENS = torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(0))
 
@@ -108,14 +108,14 @@ def test_command_writes_results_into_the_model_folder(tmp_path, text_file, capsy
 
 
 def _umask() -> int:
-    from llama_moe_hf.checkpoints.atomic import current_umask
+    from llama_moe.checkpoints.atomic import current_umask
 
     return current_umask()
 
 
 def test_local_lm_eval_tasks_carry_the_prefix_the_card_skips_them_by():
-    from llama_moe_hf.evaluation.harness import local_tasks
-    from llama_moe_hf.hub.card import LOCAL_TASK_PREFIX, eval_results
+    from llama_moe.evaluation.harness import local_tasks
+    from llama_moe.hub.card import LOCAL_TASK_PREFIX, eval_results
 
     tasks = local_tasks()
     assert tasks and all(name.startswith(LOCAL_TASK_PREFIX) for name in tasks)

@@ -19,12 +19,12 @@ from helpers import (
     tiny_moe,
 )
 
+from llama_moe.commands import main
+from llama_moe.conversion.recipe import sparsity_presets
+from llama_moe.export import export_model
+from llama_moe.export.gguf import rope_permute
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, convert_to_moe
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.recipe import sparsity_presets
-from llama_moe_hf.export import export_model
-from llama_moe_hf.export.gguf import rope_permute
-from llama_moe_hf.source_families import dense_config_fields
 
 pytestmark = pytest.mark.smoke  # exports go through transformers' own MoE classes: checked on every pinned release
 
@@ -45,7 +45,7 @@ METHODS = [
 
 LOAD_WITHOUT_PACKAGE = """
 import json, sys, torch
-sys.modules["llama_moe_hf"] = None  # the export must not need this package
+sys.modules["llama_moe_hf"] = sys.modules["llama_moe"] = None  # the export must not need this package
 from transformers import AutoModelForCausalLM
 folders, ids = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2]))
 result = {}
@@ -454,7 +454,7 @@ def test_a_router_with_no_known_exact_mapping_is_refused_not_exported_as_top_k(c
     as the softmax top-k the targets compute."""
     from transformers import AutoConfig
 
-    from llama_moe_hf.export import TARGETS
+    from llama_moe.export import TARGETS
 
     config = AutoConfig.from_pretrained(converted["random"])
     assert [name for name in TARGETS if TARGETS[name].supports(config)] == ["qwen3_moe"]  # a LLaMA source
@@ -487,34 +487,34 @@ def test_output_folder_rules_match_convert(converted, tmp_path, capsys):
 
 def test_export_help_imports_neither_torch_nor_transformers():
     run = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "llama_moe_cli", "export", "--help"],
+        [sys.executable, "-X", "importtime", "-m", "llama_moe", "export", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert run.returncode == 0 and "--tokenizer-pre" in run.stdout, run.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
-    assert "llama_moe_hf.export.registry" in imported
+    assert "llama_moe.export.registry" in imported
     assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers", "gguf")}
 
 
 def test_an_exported_folder_is_checked_against_its_source_in_its_dtype(converted, tmp_path, caplog):
     """The exported Mixtral equals its source, so the check finds it as good as its source, in bfloat16 too; a
     GGUF file is said not to be checked here; `--no-eval` skips the check."""
-    with caplog.at_level("INFO", logger="llama_moe_hf"):
+    with caplog.at_level("INFO", logger="llama_moe"):
         result = export_model(converted["random"], "mixtral", tmp_path / "m", dtype="bfloat16", progress=False)
     check = result.quality
     assert check.dtype == "bfloat16" and check.reference == "its source folder"
     assert check.kl < 0.02 and "as good as its source folder" in check.verdict()
     assert "Checking the result against its source folder" in caplog.text
-    with caplog.at_level("INFO", logger="llama_moe_hf"):
+    with caplog.at_level("INFO", logger="llama_moe"):
         assert export_model(converted["random"], "gguf", tmp_path / "g", progress=False).quality is None
     assert "Not checked here" in caplog.text
     assert export_model(converted["random"], "mixtral", tmp_path / "n", eval=False, progress=False).quality is None
 
 
 def test_export_default_writes_the_built_in_dense_model(tmp_path, monkeypatch, tiny_dense):
-    from llama_moe_hf import loading
+    from llama_moe import loading
 
     monkeypatch.setattr(loading, "model_folder", lambda spec, **_: tiny_dense[0])  # the built-in one, in small
     result = export_model("default", "gguf", tmp_path / "gguf", progress=False)

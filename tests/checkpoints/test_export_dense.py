@@ -13,16 +13,16 @@ from helpers import export_refusal, load_moe, logits, save_tiny_moe, save_tiny_s
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from llama_moe.export import export_model
+from llama_moe.export.dense import calibration_tokens
 from llama_moe_hf import convert_to_moe
-from llama_moe_hf.export import export_model
-from llama_moe_hf.export.dense import calibration_tokens
 
 UPCYCLE = dict(method="upcycle", num_experts=4, top_k=2, router_init="random", progress=False)
 M = 96  # an upcycled expert's size: the dense FFN's
 
 LOAD_WITHOUT_PACKAGE = """
 import json, sys, torch
-sys.modules["llama_moe_hf"] = None  # the export must not need this package
+sys.modules["llama_moe_hf"] = sys.modules["llama_moe"] = None  # the export must not need this package
 from transformers import AutoModelForCausalLM
 folders, ids = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2]))
 result = {}

@@ -7,9 +7,9 @@ import pytest
 from helpers import FakeHfApi
 from huggingface_hub import ModelCard
 
+from llama_moe.hub.card import card_for_repo, eval_results
+from llama_moe.hub.push import plan_push
 from llama_moe_hf import convert_to_moe, push_folder
-from llama_moe_hf.hub.card import card_for_repo, eval_results
-from llama_moe_hf.hub.push import plan_push
 
 EVAL_RESULTS = {
     "dtype": "float32",

@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import save_tiny_moe
 
-from llama_moe_hf.chat import chat
-from llama_moe_hf.commands import main
-from llama_moe_hf.commands.info import info_lines
-from llama_moe_hf.loading import load_model, model_folder
+from llama_moe.chat import chat
+from llama_moe.commands import main
+from llama_moe.commands.info import info_lines
+from llama_moe.loading import load_model, model_folder
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_chat_command_flags(tiny_folders, capsys):
 
 @pytest.mark.parametrize("command", ["chat", "info", "eval", "analyze", "upgrade"])
 def test_every_flag_has_help_text(command):
-    from llama_moe_hf.commands import build_parser
+    from llama_moe.commands import build_parser
 
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     actions = [a for a in subparsers.choices[command]._actions if a.dest != "help"]
@@ -97,7 +97,7 @@ def test_card_lines_load_the_tokenizer_without_the_package_and_without_a_prompt(
     import sys
 
     script = (
-        "import sys; sys.modules['llama_moe_hf'] = None\n"
+        "import sys; sys.modules['llama_moe_hf'] = sys.modules['llama_moe'] = None\n"
         "from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
         "tokenizer = PreTrainedTokenizerFast.from_pretrained(sys.argv[1])\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
@@ -122,10 +122,10 @@ def test_what_the_card_says_of_autotokenizer_without_the_package(tiny_folders):
     import subprocess
     import sys
 
-    from llama_moe_hf.hub.card import usage_section
+    from llama_moe.hub.card import usage_section
 
     script = (
-        "import sys; sys.modules['llama_moe_hf'] = None\n"
+        "import sys; sys.modules['llama_moe_hf'] = sys.modules['llama_moe'] = None\n"
         "from transformers import AutoTokenizer\n"
         "print(AutoTokenizer.from_pretrained(sys.argv[1])('ab')['input_ids'])\n"
     )

@@ -22,10 +22,10 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-import llama_moe_hf.hub.upgrade as upgrade
+import llama_moe.hub.upgrade as upgrade
+from llama_moe.commands import main
+from llama_moe.hub.card import code_text
 from llama_moe_hf import convert_to_moe
-from llama_moe_hf.commands import main
-from llama_moe_hf.hub.card import code_text
 from llama_moe_hf.modeling.configuration_llama_moe import LLAMA_MOE_VERSION
 
 REPO = Path(__file__).parents[2]

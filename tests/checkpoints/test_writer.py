@@ -11,8 +11,8 @@ from helpers import interrupt_the_second_replace
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from llama_moe_hf.checkpoints.atomic import atomic_file, atomic_folder, remove_folder, replace_files
-from llama_moe_hf.checkpoints.writer import SAFE_INDEX, SAFE_WEIGHTS, ShardedWriter, read_shapes
+from llama_moe.checkpoints.atomic import atomic_file, atomic_folder, remove_folder, replace_files
+from llama_moe.checkpoints.writer import SAFE_INDEX, SAFE_WEIGHTS, ShardedWriter, read_shapes
 
 
 def test_tensors_written_in_any_order_load_back_exactly(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from helpers import FakeHfApi
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.hub import push as hub
+from llama_moe.commands import main
+from llama_moe.hub import push as hub
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,8 @@ def test_recipe_file_with_flags_overriding_it(tmp_path, dense, tiny_calibration,
 
 def parsed_recipe(*flags, config=None):
     """The recipe `llama-moe convert FLAGS` builds (nothing converted)."""
-    from llama_moe_hf.commands import build_parser
-    from llama_moe_hf.commands.convert import recipe_and_run
+    from llama_moe.commands import build_parser
+    from llama_moe.commands.convert import recipe_and_run
 
     argv = ["convert", "--output", "out", *flags, *(["--config", str(config)] if config else [])]
     (args,) = build_parser().parse_args_and_config(argv)
@@ -144,8 +144,8 @@ def parsed_recipe(*flags, config=None):
 
 @pytest.mark.parametrize("segment_length", [128, 256])  # 256 is SoapMoE's default: given, it counts all the same
 def test_the_command_line_and_the_python_api_build_the_same_recipe(tmp_path, segment_length):
-    from llama_moe_hf.conversion.plan import resolve_recipe
-    from llama_moe_hf.conversion.recipe import MoERecipe
+    from llama_moe.conversion.plan import resolve_recipe
+    from llama_moe.conversion.recipe import MoERecipe
 
     flags = ("--family", "soap_moe", "--num-experts", "4", "--segment-length", str(segment_length))
     api = MoERecipe(family="soap_moe", num_experts=4, options={"segment_length": segment_length})
@@ -186,7 +186,7 @@ def test_help_lists_the_registered_components(capsys):
 def test_module_entry_point_in_a_subprocess(tmp_path, dense):
     existing = tmp_path / "existing"
     existing.mkdir()
-    cmd = [sys.executable, "-m", "llama_moe_hf", "convert", "--model", str(dense), "--output", str(existing)]
+    cmd = [sys.executable, "-m", "llama_moe", "convert", "--model", str(dense), "--output", str(existing)]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("error: Output folder") and "Traceback" not in run.stderr
@@ -216,9 +216,9 @@ def test_chat_with_converted_smollm2(tmp_path, smollm2_path):
         "--no-progress",
     ]
     assert main(argv) == 0
-    # As the `llama-moe` console script runs it (`llama_moe_cli`; the package registers the families when transformers
+    # As the `llama-moe` console script runs it (`llama_moe`; the package registers the families when transformers
     # is imported): the folder must load without its remote code.
-    chat = [sys.executable, "-m", "llama_moe_cli", "chat", str(out), "--prompt", "What is the capital of France?"]
+    chat = [sys.executable, "-m", "llama_moe", "chat", str(out), "--prompt", "What is the capital of France?"]
     run = subprocess.run([*chat, "--max-new-tokens", "12"], check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "remote code" not in run.stderr

@@ -12,10 +12,10 @@ import pytest
 from helpers import RECIPES, folder_hashes, last_error_line, one_error_line, run_recipe
 from safetensors import SafetensorError
 
-from llama_moe_hf.checkpoints import folder
-from llama_moe_hf.checkpoints.writer import ShardedWriter
-from llama_moe_hf.commands import COMMANDS, main
-from llama_moe_hf.preflight import check_writable
+from llama_moe.checkpoints import folder
+from llama_moe.checkpoints.writer import ShardedWriter
+from llama_moe.commands import COMMANDS, main
+from llama_moe.preflight import check_writable
 
 RECIPE_FILES = {  # script: its recipe file
     "continual_pretrain.py": "pretrain/llama-moe-v1.yaml",

@@ -7,11 +7,11 @@ import torch
 from helpers import tiny_llama
 from transformers import AutoTokenizer
 
+from llama_moe.conversion import calibration
+from llama_moe.conversion.calibration import CalibrationContext, tokenize_calibration
+from llama_moe.conversion.statistics import collect_calibration
+from llama_moe.text.documents import iter_documents, load_texts
 from llama_moe_hf import MoERecipe
-from llama_moe_hf.conversion import calibration
-from llama_moe_hf.conversion.calibration import CalibrationContext, tokenize_calibration
-from llama_moe_hf.conversion.statistics import collect_calibration
-from llama_moe_hf.text.documents import iter_documents, load_texts
 
 DOCS = ["First document about sorting lists.", "Second one, on parsing dates.", "Third: sockets and select."]
 
@@ -23,7 +23,7 @@ def test_builtin_corpus_is_the_default():
 
 
 def test_the_mixed_builtin_corpus_holds_three_kinds_from_the_start():
-    from llama_moe_hf.text.corpus import LICENCE_PHRASES, package_descriptions, stdlib_code, stdlib_docstrings
+    from llama_moe.text.corpus import LICENCE_PHRASES, package_descriptions, stdlib_code, stdlib_docstrings
 
     texts, description = load_texts("builtin:mixed")
     assert description.startswith("built-in corpus mixed, three kinds in turn: ")
@@ -274,7 +274,7 @@ def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(tmp_pat
     healing stages will read; no held-out prompt among them."""
     from helpers import CHAT_TEMPLATE, char_tokenizer
 
-    from llama_moe_hf.text.prompts import prompts
+    from llama_moe.text.prompts import prompts
 
     monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(tmp_path))
     tokenizer = char_tokenizer()
@@ -301,7 +301,7 @@ def test_builtin_chat_answers_are_cached_per_model(tmp_path, monkeypatch):
     with other weights answers everything again."""
     from helpers import CHAT_TEMPLATE, char_tokenizer
 
-    from llama_moe_hf.text.chat import SelfDistilledChats
+    from llama_moe.text.chat import SelfDistilledChats
 
     monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(tmp_path))
     tokenizer = char_tokenizer()

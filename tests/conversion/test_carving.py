@@ -17,19 +17,19 @@ from helpers import (
     tiny_llama_config,
 )
 
-from llama_moe_hf import LlamaMoEConfig, build_moe, convert_to_moe
-from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.methods.carve import carving
-from llama_moe_hf.conversion.methods.carve.carving import (
+from llama_moe.conversion.calibration import tokenize_calibration
+from llama_moe.conversion.methods.carve import carving
+from llama_moe.conversion.methods.carve.carving import (
     activation_markers,
     balanced_assignment,
     l1_distances,
     split_carve,
 )
-from llama_moe_hf.conversion.split_files import load_splits
-from llama_moe_hf.export.base import model_reasons
+from llama_moe.conversion.split_files import load_splits
+from llama_moe.export.base import model_reasons
+from llama_moe.source_families import dense_config_fields
+from llama_moe_hf import LlamaMoEConfig, build_moe, convert_to_moe
 from llama_moe_hf.modeling.routers import ROUTER_CLASSES
-from llama_moe_hf.source_families import dense_config_fields
 
 # ----------------------------------------------------------------------------------------------------------------
 # The algorithm

@@ -5,24 +5,24 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_partition, assert_same_logits, calibrated_split, load_moe, logits, tiny_llama
 
-from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
-from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.experts import ExpertSplit
-from llama_moe_hf.conversion.layer_patterns import parse_moe_layers
-from llama_moe_hf.conversion.methods.cluster.clustering import (
+from llama_moe.conversion.calibration import tokenize_calibration
+from llama_moe.conversion.experts import ExpertSplit
+from llama_moe.conversion.layer_patterns import parse_moe_layers
+from llama_moe.conversion.methods.cluster.clustering import (
     balanced_kmeans,
     kmeans_router,
     sample_rows,
     split_cluster,
 )
-from llama_moe_hf.conversion.methods.shared.importance import (
+from llama_moe.conversion.methods.shared.importance import (
     assign_by_importance,
     split_sharing_inner,
     split_sharing_inter,
 )
-from llama_moe_hf.conversion.split_files import check_loaded_split, load_splits, save_splits
-from llama_moe_hf.perplexity import sliding_window_perplexity
-from llama_moe_hf.text.documents import load_texts
+from llama_moe.conversion.split_files import check_loaded_split, load_splits, save_splits
+from llama_moe.perplexity import sliding_window_perplexity
+from llama_moe.text.documents import load_texts
+from llama_moe_hf import MoERecipe, build_moe, convert_to_moe
 
 
 def planted_rows(num_groups=4, per_group=8, dim=16, seed=0):
@@ -309,7 +309,7 @@ def test_residual_on_smollm2_with_the_builtin_corpus(smollm2):
 def test_residual_defaults_are_not_a_trap_on_smollm2(smollm2, real_text):
     """`--method residual --num-experts 7 --num-shared-experts 1 --top-k 1` with nothing else set: LLaMA-MoE v1's N/k
     score scale multiplied the one routed expert by 7 (544,043x the dense perplexity over all layers); now 1."""
-    from llama_moe_hf.conversion.plan import resolve_recipe
+    from llama_moe.conversion.plan import resolve_recipe
 
     model, tokenizer = smollm2
     fields = dict(method="residual", num_experts=7, num_shared_experts=1, top_k=1)
@@ -345,7 +345,7 @@ def test_converter_residual_split_file_round_trip_and_dense_identity(
         moe_layers="last:1",
         progress=False,
     )
-    with caplog.at_level("INFO", logger="llama_moe_hf"):
+    with caplog.at_level("INFO", logger="llama_moe"):
         split_file = str(tmp_path / "split.safetensors")
         first = convert_to_moe(dense_path, tmp_path / "a", top_k=1, save_split=split_file, **common)
     logged = f"Calibration data: local file {tiny_calibration} (1 docs) -> 16 sequences of 32 tokens."
@@ -403,8 +403,8 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
     """MLP experts clustered on activations with a selector and compensation, plus attention routers fitted on
     calibration text: the dense model is loaded once and run once, then freed before the streaming write. (The check
     after the write, off here, loads it once more: tests/conversion/test_convert.py.)"""
-    from llama_moe_hf.checkpoints.folder import FolderSource
-    from llama_moe_hf.conversion import calibration
+    from llama_moe.checkpoints.folder import FolderSource
+    from llama_moe.conversion import calibration
 
     loads, passes = [], []
     load_model, collect = FolderSource.load_model, calibration.collect_calibration

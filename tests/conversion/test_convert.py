@@ -18,13 +18,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from llama_moe.checkpoints import load_gguf_model
+from llama_moe.checkpoints.writer import read_shapes
+from llama_moe.conversion.conversion_card import quality_section
+from llama_moe.conversion.methods.base import SplitMethod
+from llama_moe.conversion.quick_check import QuickCheck
+from llama_moe.hub.card import PROJECT_URL, card_for_repo
 from llama_moe_hf import METHODS, convert_to_moe
-from llama_moe_hf.checkpoints import load_gguf_model
-from llama_moe_hf.checkpoints.writer import read_shapes
-from llama_moe_hf.conversion.conversion_card import quality_section
-from llama_moe_hf.conversion.methods.base import SplitMethod
-from llama_moe_hf.conversion.quick_check import QuickCheck
-from llama_moe_hf.hub.card import PROJECT_URL, card_for_repo
 from llama_moe_hf.modeling.configuration_llama_moe import (
     LLAMA_MOE_VERSION,
     TRANSFORMERS_REQUIREMENT,
@@ -184,14 +184,14 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
     import sys
     class Block:  # the package must not be importable: only the code saved next to the weights may run
         def find_spec(self, name, path=None, target=None):
-            if name == "llama_moe_hf" or name.startswith("llama_moe_hf."):
-                raise ImportError("llama_moe_hf is blocked in this test")
+            if name.split(".")[0] in ("llama_moe_hf", "llama_moe"):
+                raise ImportError(f"{name} is blocked in this test")
     sys.meta_path.insert(0, Block())
     import torch
     from transformers import AutoModelForCausalLM
     from transformers import AutoModelForSequenceClassification
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
-    assert "llama_moe_hf" not in sys.modules
+    assert not {"llama_moe_hf", "llama_moe"} & set(sys.modules)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     classifier = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], trust_remote_code=True)
     assert type(classifier).__name__ == "LlamaMoEForSequenceClassification", type(classifier)

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from helpers import tiny_llama_config
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from llama_moe.conversion.calibration import tokenize_calibration
+from llama_moe.conversion.experts import build_expert_tensors, split_random
+from llama_moe.conversion.routers.selector import gmoefication as g
+from llama_moe.conversion.statistics import collect_calibration
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.conversion.calibration import tokenize_calibration
-from llama_moe_hf.conversion.experts import build_expert_tensors, split_random
-from llama_moe_hf.conversion.routers.selector import gmoefication as g
-from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling.modeling_llama_moe import LlamaMoESparseMoeBlock
 
 NUM_EXPERTS = 4
@@ -269,7 +269,7 @@ def test_cli_compensation_and_selector_keep_the_dense_identity_with_every_expert
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_moe_hf.commands import main
+    from llama_moe.commands import main
 
     dense_path, input_ids, reference = tiny_dense
     common = [
@@ -338,7 +338,7 @@ def test_a_linear_router_fitted_like_the_selector_ranks_better_than_random_and_l
 def test_the_even_weight_temperature_reproduces_unit_weights():
     """k times the renormalised top-k weights should give each chosen expert weight 1: with every expert chosen that
     is exact as the temperature goes to 0, so the smallest wins; at top-1 the weight is 1 whatever the temperature."""
-    from llama_moe_hf.conversion.routers.linear_selector import TEMPERATURES, even_weight_temperature
+    from llama_moe.conversion.routers.linear_selector import TEMPERATURES, even_weight_temperature
 
     config = moe_config()
     mlp = dense_mlp(config)

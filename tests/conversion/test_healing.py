@@ -10,12 +10,12 @@ import pytest
 import torch
 from helpers import load_moe, logits, one_error_line, tiny_llama, tiny_moe
 
+from llama_moe.checkpoints import atomic
+from llama_moe.commands import main
+from llama_moe.conversion.healing import HealOptions, heal_folder
+from llama_moe.conversion.healing import layer as healing_layer
+from llama_moe.conversion.plan import resolve_recipe
 from llama_moe_hf import MoERecipe, convert_to_moe
-from llama_moe_hf.checkpoints import atomic
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.healing import HealOptions, heal_folder
-from llama_moe_hf.conversion.healing import layer as healing_layer
-from llama_moe_hf.conversion.plan import resolve_recipe
 
 SPLIT_FIELDS = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
 SPLIT = dict(SPLIT_FIELDS, eval=False)

@@ -9,12 +9,12 @@ import torch
 from helpers import load_moe, logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llama_moe.checkpoints.writer import read_shapes
+from llama_moe.conversion.calibration import CalibrationContext
+from llama_moe.conversion.healing.joint import distillation_loss, joint_heal_tokens
+from llama_moe.conversion.recipe import MoERecipe
+from llama_moe.text.corpus import stdlib_docstrings
 from llama_moe_hf import build_moe, convert_to_moe
-from llama_moe_hf.checkpoints.writer import read_shapes
-from llama_moe_hf.conversion.calibration import CalibrationContext
-from llama_moe_hf.conversion.healing.joint import distillation_loss, joint_heal_tokens
-from llama_moe_hf.conversion.recipe import MoERecipe
-from llama_moe_hf.text.corpus import stdlib_docstrings
 
 SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
 JOINT = dict(joint_heal_tokens=8192, joint_heal_lr=3e-3)  # 32 sequences of 256: 8 steps

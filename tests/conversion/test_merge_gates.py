@@ -11,15 +11,15 @@ from helpers import FAMILY_CONFIGS, SOURCE_FIELDS, char_tokenizer, last_error_li
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from llama_moe.checkpoints import open_source
+from llama_moe.commands import main
+from llama_moe.conversion.layerwise import layer_input_states
+from llama_moe.conversion.plan import ConversionPlan
+from llama_moe.conversion.settings import RunOptions
+from llama_moe.conversion.target import ROUTER_STREAM, layer_seed
+from llama_moe.merging.config import ExpertSource, MergeConfig
+from llama_moe.merging.pipeline import merge
 from llama_moe_hf import MoERecipe
-from llama_moe_hf.checkpoints import open_source
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.layerwise import layer_input_states
-from llama_moe_hf.conversion.plan import ConversionPlan
-from llama_moe_hf.conversion.settings import RunOptions
-from llama_moe_hf.conversion.target import ROUTER_STREAM, layer_seed
-from llama_moe_hf.merging.config import ExpertSource, MergeConfig
-from llama_moe_hf.merging.pipeline import merge
 
 LAYERS = 3  # qwen3's tiny model: layer 1 slides (window 5), and its output is layer 2's input
 CODE = "def double(x):\n    return x * 2\n" * 12

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llama_moe_hf.commands import build_parser, main
-from llama_moe_hf.commands.convert import expand_preset, recipe_and_run
-from llama_moe_hf.conversion.recipe import BEST_PRESET, load_recipe, preset_names, preset_path, sparsity_presets
+from llama_moe.commands import build_parser, main
+from llama_moe.commands.convert import expand_preset, recipe_and_run
+from llama_moe.conversion.recipe import BEST_PRESET, load_recipe, preset_names, preset_path, sparsity_presets
 
 RECIPES = Path(__file__).parents[2] / "recipes" / "convert"
 
@@ -93,7 +93,7 @@ def test_a_sparsity_preset_keeps_its_share_of_the_ffn_active(name):
 
 def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatch, capsys):
     """`--help` reads the presets' quality, speed and tasks from one results file (benchmarks/results/presets.jsonl)."""
-    from llama_moe_hf.conversion import recipe as recipe_module
+    from llama_moe.conversion import recipe as recipe_module
 
     name = sparsity_presets()[0]
     own = "built-in corpus chat-mixed: 592 calibration prompts ..."  # the preset's calibration_data, as recorded

@@ -10,11 +10,11 @@ import yaml
 from helpers import assert_same_logits, folder_hashes, load_moe, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
+from llama_moe.commands import main
+from llama_moe.conversion.methods.base import SplitMethod
+from llama_moe.conversion.plan import resolve_recipe
+from llama_moe.conversion.registry import option
 from llama_moe_hf import METHODS, MoERecipe, RunOptions, build_moe, convert_to_moe, load_recipe, save_recipe
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.methods.base import SplitMethod
-from llama_moe_hf.conversion.plan import resolve_recipe
-from llama_moe_hf.conversion.registry import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ def strided():
         Options = StridedOptions
 
         def split(self, layer_idx, dense, context):
-            from llama_moe_hf.conversion.experts import ExpertSplit
+            from llama_moe.conversion.experts import ExpertSplit
 
             experts, size = self.target.num_experts, self.dense_config.intermediate_size
             neurons = torch.arange(size).view(-1, experts).T  # [E, I / E]

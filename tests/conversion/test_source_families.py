@@ -18,10 +18,10 @@ from helpers import (
     token_batch,
 )
 
+from llama_moe.commands import main
+from llama_moe.commands.info import info_lines
+from llama_moe.source_families import SOURCE_FAMILIES
 from llama_moe_hf import convert_to_moe
-from llama_moe_hf.commands import main
-from llama_moe_hf.commands.info import info_lines
-from llama_moe_hf.source_families import SOURCE_FAMILIES
 
 pytestmark = pytest.mark.smoke  # the output reuses the source families' transformers modules: every pinned release
 

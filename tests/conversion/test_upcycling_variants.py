@@ -18,9 +18,9 @@ from helpers import (
     token_batch,
 )
 
+from llama_moe.commands import main
+from llama_moe.conversion.plan import ConversionPlan
 from llama_moe_hf import MoERecipe, build_moe, convert_to_moe, load_recipe
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.plan import ConversionPlan
 
 FINE = dict(method="fine_grained_upcycle", num_experts=4, top_k=2)
 DROP = dict(method="drop_upcycle", num_experts=4, top_k=2)

@@ -12,11 +12,11 @@ from helpers import ffn_variant, folder_hashes, one_error_line, save_with_tokeni
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.registry import ROUTER_INITS
-from llama_moe_hf.conversion.settings import RunOptions
-from llama_moe_hf.merging.config import ExpertSource, MergeConfig
-from llama_moe_hf.merging.pipeline import merge
+from llama_moe.commands import main
+from llama_moe.conversion.registry import ROUTER_INITS
+from llama_moe.conversion.settings import RunOptions
+from llama_moe.merging.config import ExpertSource, MergeConfig
+from llama_moe.merging.pipeline import merge
 
 OLD = 3  # expert models of the merge
 # The merges grown: a random gate, with a shared expert, and (when registered) a prompt gate over averaged non-FFN weights

@@ -18,10 +18,10 @@ from helpers import (
     token_batch,
 )
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.settings import RunOptions
-from llama_moe_hf.merging.config import ExpertSource, MergeConfig
-from llama_moe_hf.merging.pipeline import merge
+from llama_moe.commands import main
+from llama_moe.conversion.settings import RunOptions
+from llama_moe.merging.config import ExpertSource, MergeConfig
+from llama_moe.merging.pipeline import merge
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 RUN = dict(progress=False, eval=False)
@@ -121,7 +121,7 @@ def test_a_merge_exported_to_a_stock_family_is_checked_as_written(tmp_path, capl
         experts_per_token=1,
         architecture="mixtral",
     )
-    with caplog.at_level("INFO", logger="llama_moe_hf"):
+    with caplog.at_level("INFO", logger="llama_moe"):
         result = merge(config, RunOptions(output=str(tmp_path / "out"), **{**RUN, "eval": True}))
     assert result.quality is not None and "Checking the result against the dense model" in caplog.text
 
@@ -132,7 +132,7 @@ def test_non_ffn_average_and_the_difference_report(tmp_path, caplog):
     with torch.no_grad():
         moved.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
     save_with_tokenizer(moved, folders[0])
-    with caplog.at_level("WARNING", logger="llama_moe_hf.merging.sources"):
+    with caplog.at_level("WARNING", logger="llama_moe.merging.sources"):
         out = merged(tmp_path, base, folders, non_ffn="average")
     assert "self_attn.q_proj.weight" in caplog.text and "largest relative difference 1" in caplog.text
     model = load_moe(out)

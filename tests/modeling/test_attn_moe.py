@@ -8,15 +8,15 @@ from helpers import load_as_remote_code, tiny_llama, tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from llama_moe.commands import main
+from llama_moe.conversion.routers.fit.attention_fit import expert_output_norms, fit_attention_router
+from llama_moe.conversion.statistics import collect_calibration
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import AttnMoEConfig, AttnMoEForCausalLM, build_moe, convert_to_moe
-from llama_moe_hf.commands import main
-from llama_moe_hf.conversion.routers.fit.attention_fit import expert_output_norms, fit_attention_router
-from llama_moe_hf.conversion.statistics import collect_calibration
 from llama_moe_hf.modeling import modeling_attn_moe
 from llama_moe_hf.modeling.cache_compat import CACHE_ARG, output_cache
 from llama_moe_hf.modeling.modeling_attn_moe import AttnMoEAttention
 from llama_moe_hf.modeling.router_losses import router_z_loss_func
-from llama_moe_hf.source_families import dense_config_fields
 
 # (query heads, KV heads, hidden size): 32/8-style and 9/3-style grouped-query attention.
 GQA_SHAPES = [(32, 8, 128), (9, 3, 72)]

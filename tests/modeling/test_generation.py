@@ -79,7 +79,7 @@ def test_remote_code_refuses_a_transformers_outside_the_pin_in_one_line(family_f
     script = (
         "import sys, transformers\n"
         f"transformers.__version__ = {version!r}  # what the folder's code sees\n"
-        "sys.modules['llama_moe_hf'] = None\n"
+        "sys.modules['llama_moe_hf'] = sys.modules['llama_moe'] = None\n"
         "from transformers import AutoConfig\n"
         "try:\n"
         "    AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)\n"

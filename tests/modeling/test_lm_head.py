@@ -1,4 +1,4 @@
-"""The threaded LM head for CPU decoding (`llama_moe_hf.lm_head`): the same logits and greedy tokens as the plain head
+"""The threaded LM head for CPU decoding (`llama_moe.lm_head`): the same logits and greedy tokens as the plain head
 for dense and MoE models, eager (oneDNN) and compiled (a reduction); the parameters, their tying and the state dict
 untouched; updates to the weight followed; the plain `F.linear` wherever neither applies (autograd, another dtype)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_moe, token_batch
 
-from llama_moe_hf import build_moe, lm_head
-from llama_moe_hf.lm_head import onednn_available, restore_lm_head, use_threaded_linears, use_threaded_lm_head
+from llama_moe import build_moe, lm_head
+from llama_moe.lm_head import onednn_available, restore_lm_head, use_threaded_linears, use_threaded_lm_head
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 

@@ -16,8 +16,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from llama_moe.conversion.settings import ATTENTION_GRANULARITIES, ROUTER_TYPES, ROUTING_MODES
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
-from llama_moe_hf.conversion.settings import ATTENTION_GRANULARITIES, ROUTER_TYPES, ROUTING_MODES
 from llama_moe_hf.modeling import (
     configuration_attn_moe,
     configuration_llama_moe,
@@ -28,7 +29,6 @@ from llama_moe_hf.modeling.cache_compat import CACHE_ARG
 from llama_moe_hf.modeling.moe_kernels import indexed_reduction_experts_forward
 from llama_moe_hf.modeling.router_losses import router_z_loss_func
 from llama_moe_hf.modeling.routers import ROUTER_CLASSES, LlamaMoERouter
-from llama_moe_hf.source_families import dense_config_fields
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from datasets import Dataset
 from helpers import char_tokenizer, tiny_llama_config, tiny_moe, token_batch
 from transformers import AutoModelForCausalLM
 
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import AttnMoEConfig, AttnMoEForCausalLM, LlamaMoEConfig
 from llama_moe_hf.modeling.router_losses import router_mi_loss_func
-from llama_moe_hf.source_families import dense_config_fields
 
 # ----------------------------------------------------------------------------------------------------------------
 # Mutual-information router loss

@@ -9,11 +9,11 @@ from helpers import load_as_remote_code, load_moe, logits, tiny_llama, tiny_llam
 from transformers import AutoModelForCausalLM
 from transformers.generation import CompileConfig
 
+from llama_moe.commands import main
+from llama_moe.export.soap_dense import merged_dense_model
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import SoapMoEConfig, SoapMoEForCausalLM, build_moe
-from llama_moe_hf.commands import main
-from llama_moe_hf.export.soap_dense import merged_dense_model
 from llama_moe_hf.modeling.cache_compat import output_cache
-from llama_moe_hf.source_families import dense_config_fields
 
 SEGMENT = 8
 

@@ -12,9 +12,9 @@ import pytest
 from helpers import RECIPES, one_error_line, run_recipe
 from packaging.requirements import Requirement
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.preflight import OPTIONAL
-from llama_moe_hf.similarity import pipeline
+from llama_moe.commands import main
+from llama_moe.preflight import OPTIONAL
+from llama_moe.similarity import pipeline
 
 ROOT = Path(__file__).parents[2]
 IMPORT_NAMES = {"pyyaml": "yaml", "scikit-learn": "sklearn", "faiss-cpu": "faiss"}  # distribution -> module
@@ -38,8 +38,12 @@ def module_of(distribution: str) -> str:
 
 
 def imported_modules() -> set[str]:
-    """Top-level third-party modules the package and the recipes import."""
-    files = [*(ROOT / "llama_moe_hf").rglob("*.py"), *(ROOT / "recipes").glob("*.py")]
+    """Top-level third-party modules the packages and the recipes import."""
+    files = [
+        *(ROOT / "llama_moe_hf").rglob("*.py"),
+        *(ROOT / "llama_moe").rglob("*.py"),
+        *(ROOT / "recipes").glob("*.py"),
+    ]
     names = set()
     for file in files:
         for node in ast.walk(ast.parse(file.read_text())):
@@ -47,7 +51,7 @@ def imported_modules() -> set[str]:
                 names.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names.add(node.module.split(".")[0])
-    return names - set(sys.stdlib_module_names) - {"llama_moe_hf"}
+    return names - set(sys.stdlib_module_names) - {"llama_moe_hf", "llama_moe"}
 
 
 def test_every_import_is_a_requirement_or_an_optional_package_checked_up_front():
@@ -109,8 +113,8 @@ class Hidden(PathFinder):  # finds nothing under the hidden name: as if the pack
         return None if name.split(".")[0] == sys.argv[1] else PathFinder.find_spec(name, path, target)
 
 sys.meta_path[sys.meta_path.index(PathFinder)] = Hidden
-import llama_moe_cli
-sys.exit(llama_moe_cli.main(sys.argv[2:]))
+import llama_moe
+sys.exit(llama_moe.main(sys.argv[2:]))
 """
 
 
@@ -133,7 +137,7 @@ def test_the_torch_floor_is_the_release_ci_tests():
 
 
 def test_preparing_the_default_model_says_so_before_any_work(tmp_path, monkeypatch, capsys):
-    from llama_moe_hf.checkpoints import default
+    from llama_moe.checkpoints import default
 
     def fetch(workdir):
         assert "Preparing the built-in default model" in capsys.readouterr().err  # before the download and loading

@@ -12,14 +12,16 @@ import pytest
 
 from llama_moe_hf import convert_to_moe
 
-PACKAGE = Path(__file__).parents[2] / "llama_moe_hf"
+ROOT = Path(__file__).parents[2]
+PACKAGE = ROOT / "llama_moe"  # the tools and the command line
+MODEL_PACKAGE = ROOT / "llama_moe_hf"  # the model code, which registers the families
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
+def import_graph(*roots: Path) -> dict[str, set[str]]:
     """module -> the package modules it imports (anywhere in the file, function-level imports included)."""
     modules = {}
-    for file in root.rglob("*.py"):
-        parts = list(file.relative_to(root.parent).with_suffix("").parts)
+    for file in (file for root in roots for file in root.rglob("*.py")):
+        parts = list(file.relative_to(ROOT).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
     graph = {}
     for name, file in modules.items():
@@ -61,33 +63,48 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_in_the_package():
-    graph = import_graph(PACKAGE)
-    assert "llama_moe_hf.conversion.methods.cluster" in graph
+    graph = import_graph(PACKAGE, MODEL_PACKAGE)
+    assert "llama_moe.conversion.methods.cluster" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 def test_the_cycle_check_can_fail():
-    graph = import_graph(PACKAGE)
-    graph["llama_moe_hf.conversion.registry"] = {"llama_moe_hf.conversion.methods.random"}
+    graph = import_graph(PACKAGE, MODEL_PACKAGE)
+    graph["llama_moe.conversion.registry"] = {"llama_moe.conversion.methods.random"}
     cycle = find_cycle(graph)
-    assert cycle and {"llama_moe_hf.conversion.registry", "llama_moe_hf.conversion.methods.random"} <= set(cycle)
+    assert cycle and {"llama_moe.conversion.registry", "llama_moe.conversion.methods.random"} <= set(cycle)
 
 
 # The package's floors, lowest first: a module imports (anywhere in the file) only from its own floor or below, so
 # that conversion never depends on what uses it. Peers on one floor may import each other.
 FLOORS = [
-    {"modeling", "registry", "perplexity", "behaviour", "lm_head", "distillation", "devices"},
+    # llama_moe_hf: the model code and its registration; llama_moe: the tools' API, each name imported on first use
+    {
+        "llama_moe_hf",
+        "llama_moe",
+        "modeling",
+        "registry",
+        "perplexity",
+        "behaviour",
+        "lm_head",
+        "distillation",
+        "devices",
+    },
     {"source_families", "preflight", "parsing"},
-    {"checkpoints", "hub", "text"},  # text: the cache of what the dense model writes (`text.chat`) is written atomically
+    {
+        "checkpoints",
+        "hub",
+        "text",
+    },  # text: the cache of what the dense model writes (`text.chat`) is written atomically
     {"conversion"},
     {"evaluation", "training", "similarity", "analysis", "export", "loading", "chat"},
     {"merging"},
-    {"commands", "supported", "__main__", "llama_moe_hf"},
+    {"commands", "supported", "__main__"},
 ]
 
 
 def floor_of(module: str) -> int:
-    part = module.split(".")[1] if "." in module else module
+    part = module.split(".")[1] if "." in module else module  # llama_moe_hf.modeling: modeling
     return next(i for i, floor in enumerate(FLOORS) if part in floor)
 
 
@@ -96,12 +113,12 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_module_imports_from_a_higher_floor():
-    graph = import_graph(PACKAGE)
+    graph = import_graph(PACKAGE, MODEL_PACKAGE)
     parts = {name.split(".")[1] if "." in name else name for name in graph}
     assert parts <= set().union(*FLOORS), f"give these parts a floor: {parts - set().union(*FLOORS)}"
     assert upward_imports(graph) == []
-    graph["llama_moe_hf.conversion.plan"].add("llama_moe_hf.evaluation.evaluate")  # the check can fail
-    assert upward_imports(graph) == ["llama_moe_hf.conversion.plan -> llama_moe_hf.evaluation.evaluate"]
+    graph["llama_moe.conversion.plan"].add("llama_moe.evaluation.evaluate")  # the check can fail
+    assert upward_imports(graph) == ["llama_moe.conversion.plan -> llama_moe.evaluation.evaluate"]
 
 
 MAX_FUNCTION_LINES = 60
@@ -130,7 +147,7 @@ def test_no_function_is_longer_than_60_lines(tmp_path):
     assert long_functions([tmp_path / "long.py"]) == [f"{tmp_path / 'long.py'}:1 f (61 lines)"]
 
 
-ROUTER_HOMES = ("modeling", "conversion/routers")  # where a gate's name may be spelled out
+ROUTER_HOMES = ("llama_moe_hf/modeling", "llama_moe/conversion/routers")  # where a gate's name may be spelled out
 
 
 def router_type_literals(files) -> list[str]:
@@ -158,7 +175,7 @@ def router_type_literals(files) -> list[str]:
 
 
 def test_no_router_type_is_decided_by_its_name_outside_the_router_classes(tmp_path):
-    files = [f for f in PACKAGE.rglob("*.py") if not any(f"llama_moe_hf/{home}" in str(f) for home in ROUTER_HOMES)]
+    files = [f for f in PACKAGE.rglob("*.py") if not any(f"/{home}" in str(f) for home in ROUTER_HOMES)]
     assert router_type_literals(files) == []
     (tmp_path / "named.py").write_text('if config.router_type == "switch":\n    pass\nf(router_type="top_k")\n')
     assert len(router_type_literals([tmp_path / "named.py"])) == 2  # the check can fail
@@ -168,34 +185,58 @@ def test_the_command_line_answers_without_importing_torch_or_transformers():
     """`llama-moe --help` and argument errors: the command line's registries, recipe fields and parser are light."""
     for args, code in ((["--help"], 0), (["convert", "--help"], 0), (["convert", "--top-k", "x"], 2)):
         run = subprocess.run(
-            [sys.executable, "-X", "importtime", "-m", "llama_moe_cli", *args],
+            [sys.executable, "-X", "importtime", "-m", "llama_moe", *args],
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert run.returncode == code, run.stderr[-2000:]
         imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
-        assert "llama_moe_hf.conversion.registry" in imported
+        assert "llama_moe.conversion.registry" in imported
         assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers")}, args
 
 
-@pytest.mark.parametrize(
-    "first",
-    ["import llama_moe_hf", "import transformers, llama_moe_hf", "import llama_moe_cli, llama_moe_hf.commands"],
-)
-def test_importing_the_package_registers_the_families_with_the_auto_classes(first):
-    """Before or after transformers, and after the command line's modules: the Auto classes know the families."""
+# As if the installed transformers were outside the model code's range: its version check fails.
+OUT_OF_RANGE = "import packaging.specifiers as s; s.SpecifierSet.__contains__ = lambda self, item: False; "
+OURS = "[f for f in sys.meta_path if getattr(f, '__module__', type(f).__module__).startswith('llama_moe')]"
+
+
+@pytest.mark.parametrize("first", ["import llama_moe_hf", "import transformers, llama_moe_hf"])
+def test_importing_the_model_package_registers_the_families_and_does_nothing_else(first):
+    """Before or after transformers: the Auto classes know the families, and no import hook is left behind."""
     code = (
-        f"import sys; {first}; print('torch' in sys.modules); "
+        f"import sys; {first}; print({OURS}); "
         "from transformers import AutoConfig, AutoModelForTokenClassification as A; "
         "c = AutoConfig.for_model('attn_moe', vocab_size=16, hidden_size=8, intermediate_size=8, "
         "num_hidden_layers=1, num_attention_heads=2); print(type(A.from_config(c)).__name__)"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    torch_first, model_class = run.stdout.split()
-    assert model_class == "AttnMoEForTokenClassification"
-    assert torch_first == str("transformers" in first)  # the package alone imports nothing heavy
+    assert run.stdout.split() == ["[]", "AttnMoEForTokenClassification"]
+
+
+def test_the_tools_package_leaves_transformers_alone():
+    """`import llama_moe` (the command line's package) imports neither torch nor the model code, and a later plain
+    `import transformers` does not import the model code either: a transformers it refuses never breaks that."""
+    code = (
+        f"import sys; {OUT_OF_RANGE}import llama_moe, llama_moe.commands, llama_moe.conversion.registry; "
+        f"print(sorted({{'torch', 'transformers', 'llama_moe_hf'}} & set(sys.modules)), {OURS}); "
+        "import transformers, transformers.models.llama; print('llama_moe_hf' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["[] []", "False"]
+
+
+def test_a_transformers_outside_the_range_gets_one_line_from_the_command(tmp_path):
+    code = (
+        f"import sys; {OUT_OF_RANGE}from llama_moe.commands import main; "
+        "sys.exit(main(['convert', '--method', 'random', '--num-experts', '2', '--output', sys.argv[1]]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, tmp_path / "out"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("error: This model's code (llama-moe-hf ") and run.stderr.count("\n") == 1
+    assert "needs transformers>=" in run.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -237,8 +278,8 @@ def test_one_version_for_the_package_its_metadata_and_the_model_code_folders_car
 
 
 def test_the_readme_supported_models_table_is_the_registries():
-    from llama_moe_hf.supported import README, START, updated
+    from llama_moe.supported import README, START, updated
 
     readme = README.read_text()
     assert START in readme
-    assert updated(readme) == readme, "README.md's table is stale: run `python -m llama_moe_hf.supported`"
+    assert updated(readme) == readme, "README.md's table is stale: run `python -m llama_moe.supported`"

@@ -10,9 +10,9 @@ from datasets import Dataset
 from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
+from llama_moe.parsing import finish_distributed_run
+from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM
-from llama_moe_hf.parsing import finish_distributed_run
-from llama_moe_hf.source_families import dense_config_fields
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from helpers import tiny_llama_config

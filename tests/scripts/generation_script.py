@@ -12,11 +12,11 @@ import sys
 
 
 class BlockPackage:
-    """A meta-path finder that refuses `llama_moe_hf`: only the folder's own code may run."""
+    """A meta-path finder that refuses `llama_moe_hf` and `llama_moe`: only the folder's own code may run."""
 
     def find_spec(self, name, path=None, target=None):
-        if name == "llama_moe_hf" or name.startswith("llama_moe_hf."):
-            raise ImportError("llama_moe_hf is blocked in this process")
+        if name.split(".")[0] in ("llama_moe_hf", "llama_moe"):
+            raise ImportError(f"{name} is blocked in this process")
 
 
 def generations(model, tokens, pad_id: int = 0) -> dict[str, list]:
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     for folder in argv[1:]:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
         results[folder] = {"module": type(model).__module__, **generations(model, tokens)}
-    assert not remote or "llama_moe_hf" not in sys.modules
+    assert not remote or not {"llama_moe_hf", "llama_moe"} & set(sys.modules)
     print(json.dumps(results))
 
 

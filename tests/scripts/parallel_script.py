@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import llama_moe_hf  # noqa: F401  (registers the Auto classes)
-from llama_moe_hf.parsing import finish_distributed_run
+from llama_moe.parsing import finish_distributed_run
 
 
 def main(folder: str, out: str) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments, default_data_collator
 
-from llama_moe_hf.parsing import finish_distributed_run
+from llama_moe.parsing import finish_distributed_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from helpers import SCALE_OUT_FAMILIES, TINY_VOCAB, scale_out_model
@@ -39,6 +39,7 @@ STEPS = 5
 LENGTH = 16
 LEARNING_RATE = 1e-2
 MAX_GRAD_NORM = 1.0  # Trainer's default
+
 
 # No load-balancing loss (output_router_logits=False): it is computed over each rank's own tokens and is not linear
 # in the batch, so a 2 x 2 run differs from a 1 x 4 run by design, not by a bug. Dropout is 0 in these configs.
@@ -175,7 +176,9 @@ def main(output_dir: Path) -> None:
     record = {"trainer": train_with_trainer(output_dir, world_size)[0]}  # Trainer sets up the gloo process group
     if world_size > 1 and importlib.util.find_spec("deepspeed"):
         record["zero2"] = {"llama_moe": train_with_deepspeed(output_dir, world_size, "llama_moe", 2)}
-        record["zero3"] = {family: train_with_deepspeed(output_dir, world_size, family, 3) for family in SCALE_OUT_FAMILIES}
+        record["zero3"] = {
+            family: train_with_deepspeed(output_dir, world_size, family, 3) for family in SCALE_OUT_FAMILIES
+        }
     record["fsdp2"] = {family: train_plain_loop(family, rank, world_size) for family in SCALE_OUT_FAMILIES}
     (output_dir / f"world{world_size}-rank{rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():

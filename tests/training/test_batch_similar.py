@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from datasets import load_from_disk
 
-from llama_moe_hf.commands import main
-from llama_moe_hf.similarity.chaining import chain_documents
-from llama_moe_hf.similarity.embedders import EMBEDDERS
-from llama_moe_hf.similarity.neighbours import nearest_neighbours
-from llama_moe_hf.similarity.options import BatchSimilarOptions
-from llama_moe_hf.similarity.pipeline import batch_similar
+from llama_moe.commands import main
+from llama_moe.similarity.chaining import chain_documents
+from llama_moe.similarity.embedders import EMBEDDERS
+from llama_moe.similarity.neighbours import nearest_neighbours
+from llama_moe.similarity.options import BatchSimilarOptions
+from llama_moe.similarity.pipeline import batch_similar
 
 TOPICS = {
     "sql": "database table query index transaction rows columns join select schema",

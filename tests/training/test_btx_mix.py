@@ -10,10 +10,10 @@ import torch
 from helpers import char_tokenizer, save_tiny_source, tiny_llama, tiny_moe
 from safetensors.torch import load_file
 
-from llama_moe_hf.conversion.settings import RunOptions
-from llama_moe_hf.merging.config import ExpertSource, MergeConfig
-from llama_moe_hf.merging.pipeline import merge
-from llama_moe_hf.training.freezing import train_routers_only
+from llama_moe.conversion.settings import RunOptions
+from llama_moe.merging.config import ExpertSource, MergeConfig
+from llama_moe.merging.pipeline import merge
+from llama_moe.training.freezing import train_routers_only
 
 BLOCK = 64
 RECIPES = Path(__file__).parents[2] / "recipes"
@@ -90,7 +90,7 @@ def test_the_mix_stage_lowers_the_mixture_loss(merged_pair, domains):
 
 
 def test_a_failed_mix_stage_leaves_nothing(tmp_path, domains, monkeypatch):
-    from llama_moe_hf.training import pretrain
+    from llama_moe.training import pretrain
 
     def fails(*args, **kwargs):
         raise RuntimeError("interrupted")
@@ -108,8 +108,8 @@ def test_the_btx_recipe_files_parse():
     from transformers import TrainingArguments
     from trl import TrlParser
 
-    from llama_moe_hf.merging.config import config_from_dict, read_yaml
-    from llama_moe_hf.training.pretrain import ContinualPretrainArguments
+    from llama_moe.merging.config import config_from_dict, read_yaml
+    from llama_moe.training.pretrain import ContinualPretrainArguments
 
     parser = TrlParser((ContinualPretrainArguments, TrainingArguments))
     args, training = parser.parse_args_and_config(["--config", str(RECIPES / "pretrain/btx-mix.yaml"), "--use_cpu"])
@@ -122,7 +122,7 @@ def test_the_btx_recipe_files_parse():
 
 
 def test_the_recipe_refuses_train_routers_only_on_a_dense_model_before_it_loads(tmp_path):
-    from llama_moe_hf.training.pretrain import ContinualPretrainArguments, _check_moe_only
+    from llama_moe.training.pretrain import ContinualPretrainArguments, _check_moe_only
 
     save_tiny_source(tmp_path / "dense", "llama")
     args = ContinualPretrainArguments(str(tmp_path / "dense"), domains=["a=b"], train_routers_only=True)

@@ -24,18 +24,18 @@ from helpers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from llama_moe_hf import convert_to_moe
-from llama_moe_hf.distillation import distillation_kl
-from llama_moe_hf.loading import DEFAULT_MODEL
-from llama_moe_hf.training.checkpoint import HISTORY_FILE
-from llama_moe_hf.training.distill import (
+from llama_moe.distillation import distillation_kl
+from llama_moe.loading import DEFAULT_MODEL
+from llama_moe.training.checkpoint import HISTORY_FILE
+from llama_moe.training.distill import (
     DistillationMixin,
     Distiller,
     load_teacher,
     recorded_source,
     resolve_teacher,
 )
-from llama_moe_hf.training.pretrain import ContinualPretrainArguments
+from llama_moe.training.pretrain import ContinualPretrainArguments
+from llama_moe_hf import convert_to_moe
 
 pytestmark = pytest.mark.slow
 
@@ -289,7 +289,7 @@ def _sft_stage(pair, tmp_path: Path, distill: str, **settings):
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
     from trl.scripts.utils import DatasetConfig
 
-    from llama_moe_hf.training.sft import MoESFTArguments
+    from llama_moe.training.sft import MoESFTArguments
 
     chats = [
         {
@@ -324,7 +324,7 @@ def _sft_stage(pair, tmp_path: Path, distill: str, **settings):
 
 @pytest.mark.parametrize("distill, settings", [("gkd", {"lmbda": 0.5}), ("on_policy", {"beta": 0.5})])
 def test_sft_distillation_runs_under_trl_with_the_router_balance_loss(pair, tmp_path, distill, settings):
-    from llama_moe_hf.training.sft import build_sft_trainer, run_sft
+    from llama_moe.training.sft import build_sft_trainer, run_sft
 
     stage = _sft_stage(pair, tmp_path, distill, **settings)
     trainer, _ = build_sft_trainer(*stage)

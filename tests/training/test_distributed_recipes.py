@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llama_moe_hf.training.checkpoint import HISTORY_FILE
+from llama_moe.training.checkpoint import HISTORY_FILE
 
 REPO = Path(__file__).parents[2]
 RECIPE = REPO / "recipes" / "continual_pretrain.py"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llama_moe_hf.training.resume import INCOMPLETE_MARKER
+from llama_moe.training.resume import INCOMPLETE_MARKER
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 SCRIPT = Path(__file__).parents[1] / "scripts" / "resume_script.py"

@@ -1,11 +1,11 @@
-"""The one documents -> tokens -> blocks path (`llama_moe_hf.text.tokens`): every reader cuts the same EOS-joined
+"""The one documents -> tokens -> blocks path (`llama_moe.text.tokens`): every reader cuts the same EOS-joined
 stream, whichever way it packs it."""
 
 import numpy as np
 import torch
 from helpers import char_tokenizer
 
-from llama_moe_hf.text.tokens import (
+from llama_moe.text.tokens import (
     TOKENIZE_BATCH,
     cut_blocks,
     document_tokens,

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.initialization import no_init_weights
 
+from llama_moe.training.freezing import train_moe_only
 from llama_moe_hf import LlamaMoEForCausalLM, build_moe
-from llama_moe_hf.training.freezing import train_moe_only
 
 pytestmark = pytest.mark.slow
 

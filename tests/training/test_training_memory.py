@@ -1,4 +1,4 @@
-"""The training recipes' memory preflight (llama_moe_hf/training/footprint.py, memory_check.py): the estimate adds up
+"""The training recipes' memory preflight (llama_moe/training/footprint.py, memory_check.py): the estimate adds up
 its parts as documented, a run that will not fit is refused in one line naming flags that fit (before any model
 loads), `--force true` runs anyway; and the recipes' checkpoint settings (`--save_steps` with `save_strategy: no`,
 tied weights on resume). How close the estimate is to measured peaks: benchmarks/memory/training_memory.py."""
@@ -14,9 +14,9 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Trainer, Tra
 from transformers.testing_utils import CaptureLogger
 
 import llama_moe_hf  # noqa: F401  (registers the families)
-from llama_moe_hf.parsing import Parser
-from llama_moe_hf.training import memory_check
-from llama_moe_hf.training.footprint import (
+from llama_moe.parsing import Parser
+from llama_moe.training import memory_check
+from llama_moe.training.footprint import (
     GIB,
     RunSettings,
     activation_bytes,
@@ -24,7 +24,7 @@ from llama_moe_hf.training.footprint import (
     moe_config,
     parameter_counts,
 )
-from llama_moe_hf.training.resume import ResumableCheckpointsMixin, real_missing_keys
+from llama_moe.training.resume import ResumableCheckpointsMixin, real_missing_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks`
 from benchmarks.memory.model_memory import smollm2_135m_config  # a published config, no download
@@ -117,7 +117,7 @@ def test_save_steps_given_while_the_file_says_no_turn_saving_on(tmp_path, capsys
 
 
 def test_every_training_recipe_file_checkpoints_and_keeps_two():
-    from llama_moe_hf.parsing import read_config
+    from llama_moe.parsing import read_config
 
     files = sorted((RECIPES / "pretrain").glob("*.yaml")) + sorted((RECIPES / "sft").glob("*.yaml"))
     for path in files:

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from llama_moe_hf.training.checkpoint import HISTORY_FILE
-from llama_moe_hf.training.mixture import (
+from llama_moe.training.checkpoint import HISTORY_FILE
+from llama_moe.training.mixture import (
     DomainData,
     DomainMixture,
     DomainWeights,
@@ -27,10 +27,10 @@ from llama_moe_hf.training.mixture import (
     resolve_weights,
     sheared_llama_update,
 )
-from llama_moe_hf.training.offline_data import OfflineDataOptions, build_offline_data
-from llama_moe_hf.training.pretrain import ContinualPretrainArguments, continual_pretrain
-from llama_moe_hf.training.sampling import domain_losses
-from llama_moe_hf.training.sft import MoESFTArguments, build_sft_trainer, run_sft
+from llama_moe.training.offline_data import OfflineDataOptions, build_offline_data
+from llama_moe.training.pretrain import ContinualPretrainArguments, continual_pretrain
+from llama_moe.training.sampling import domain_losses
+from llama_moe.training.sft import MoESFTArguments, build_sft_trainer, run_sft
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 
@@ -360,7 +360,7 @@ def test_offline_data_chat_is_the_dense_models_own_answers(tmp_path, monkeypatch
     prompt/completion chats for SFT, the same conversations in both."""
     from helpers import CHAT_TEMPLATE, char_tokenizer, tiny_llama
 
-    from llama_moe_hf import loading
+    from llama_moe import loading
 
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
