@@ -3,16 +3,16 @@ YAML as it is, or flags), and `--add-expert MODEL --into MOE`. Flags override th
 
 import dataclasses
 
-from ..conversion.settings import DTYPES
+from ..conversion.settings import RunOptions
+from ..merging.config import MergeConfig
+
+FILE_ONLY = ("experts", "shared_experts", "gate_options")  # mappings: the --config file's (or the flags below)
 
 
 @dataclasses.dataclass(frozen=True)
-class MergeFlags:
-    """What to merge, as flags (each overrides the --config file's key of the same name)."""
+class ModelFlags:
+    """The models as flags, for a merge without a --config file (or over its lists)."""
 
-    base_model: str | None = dataclasses.field(
-        default=None, metadata={"help": "attention, norms, embeddings (default: the file's; else the built-in model)"}
-    )
     experts: list[str] | None = dataclasses.field(
         default=None,
         metadata={"help": "expert models, one routed expert each (folders, Hub ids, .gguf files)", "nargs": "+"},
@@ -23,18 +23,24 @@ class MergeFlags:
     residual_scale: float | None = dataclasses.field(
         default=None, metadata={"help": "the shared expert's down_proj scale (mergekit's residual_scale)"}
     )
-    gate_mode: str | None = dataclasses.field(default=None, metadata={"help": "router init (default: hidden)"})
-    experts_per_token: int | None = dataclasses.field(default=None, metadata={"help": "top-k (default: 2)"})
-    architecture: str | None = dataclasses.field(
-        default=None, metadata={"help": "layout written: llama_moe (default), mixtral, qwen2_moe, qwen3_moe"}
-    )
-    non_ffn: str | None = dataclasses.field(default=None, metadata={"help": "base (default) or average"})
-    method: str | None = dataclasses.field(
-        default=None, metadata={"help": "how each model's FFN becomes experts (default: upcycle, the whole FFN)"}
-    )
-    experts_per_model: int | None = dataclasses.field(default=None, metadata={"help": "experts per model (splits)"})
-    dtype: str | None = dataclasses.field(default=None, metadata={"help": "output weights dtype", "choices": DTYPES})
-    seed: int | None = dataclasses.field(default=None, metadata={"help": "seed of random gates and noise"})
+
+
+def declared_flags(name: str, declaration, names, required=()) -> type:
+    """A dataclass of `declaration`'s fields `names` as they are declared there (type, default, help, choices): the
+    flags of a command that take its settings, declared once. `required`: flags this command cannot do without."""
+    fields = {f.name: f for f in dataclasses.fields(declaration)}
+
+    def copied(n):
+        default = {} if n in required else {"default": fields[n].default}
+        return n, fields[n].type, dataclasses.field(**default, metadata=fields[n].metadata)
+
+    return dataclasses.make_dataclass(name, [copied(n) for n in names], frozen=True)
+
+
+MERGE_SETTINGS = [f.name for f in dataclasses.fields(MergeConfig) if f.name not in FILE_ONLY]
+MergeFlags = declared_flags("MergeFlags", MergeConfig, MERGE_SETTINGS)  # each overrides the --config file's key
+RUN_SETTINGS = ("output", "overwrite", "device", "max_shard_size", "eval", "progress", "token", "allow_pickle")
+MergeRun = declared_flags("MergeRun", RunOptions, RUN_SETTINGS, required=("output",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +59,9 @@ class AddExpertFlags:
     data: str | None = dataclasses.field(default=None, metadata={"help": "the new expert's text (expert_data gate)"})
 
 
-@dataclasses.dataclass(frozen=True)
-class MergeRun:
-    output: str = dataclasses.field(metadata={"help": "output folder (must not exist, unless --overwrite)"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output folder"})
-    device: str | None = dataclasses.field(default=None, metadata={"help": "device of the gate's passes"})
-    max_shard_size: str = dataclasses.field(default="5GB", metadata={"help": "largest safetensors shard"})
-    eval: bool = dataclasses.field(default=True, metadata={"help": "report perplexity next to the base model's"})
-    progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
-    token: str | None = dataclasses.field(default=None, metadata={"help": "Hugging Face token"})
-    allow_pickle: bool = dataclasses.field(default=False, metadata={"help": "accept pickled .bin sources"})
-
-
 def register(subparsers) -> None:
-    for group, title in ((MergeFlags, "what to merge"), (AddExpertFlags, "adding an expert"), (MergeRun, "how to run")):
+    groups = ((ModelFlags, "the models"), (MergeFlags, "what to merge"), (AddExpertFlags, "adding an expert"))
+    for group, title in (*groups, (MergeRun, "how to run")):
         group._argument_group_name = title
     parser = subparsers.add_parser(
         "merge",
@@ -77,7 +72,7 @@ def register(subparsers) -> None:
         "reads our merge recipe or a mergekit-moe YAML file as it is; flags override its keys. Models of other "
         "families or shapes, missing prompts, unknown gate modes or unsupported mergekit keys end with one error "
         "line and nothing written.",
-        dataclass_types=[MergeFlags, AddExpertFlags, MergeRun],
+        dataclass_types=[ModelFlags, MergeFlags, AddExpertFlags, MergeRun],
     )
     parser.own_config = True
     config = next(a for a in parser._actions if a.dest == "config")
@@ -90,10 +85,7 @@ def merge_config(args):
     from ..merging.mergekit import from_mergekit
 
     fields = from_mergekit(read_yaml(args.config), args.config) if args.config else {}
-    for flag in dataclasses.fields(MergeFlags):
-        value = getattr(args, flag.name)
-        if value is not None and flag.name not in ("experts", "shared_expert", "residual_scale"):
-            fields[flag.name] = value
+    fields |= {name: getattr(args, name) for name in MERGE_SETTINGS if name in args.given}
     if args.experts:
         fields["experts"] = [{"source_model": model} for model in args.experts]
     if args.shared_expert:
@@ -117,8 +109,8 @@ def add_expert(args, run_options):
 
     if not (args.add_expert and args.into):
         raise ValueError("Adding an expert needs both --add-expert MODEL and --into MERGED_MOE.")
-    names = ["config", *(f.name for f in dataclasses.fields(MergeFlags))]
-    given = [flag(name) for name in names if getattr(args, name) is not None]
+    names = ["config", *(f.name for f in dataclasses.fields(ModelFlags)), *MERGE_SETTINGS]
+    given = [flag(name) for name in names if name in args.given]
     if given:
         raise ValueError(
             f"--add-expert takes the merge's settings from MOE's merge_recipe.yaml: drop {', '.join(given)}."
@@ -135,16 +127,15 @@ def add_expert(args, run_options):
 
 
 def run(args) -> None:
-    from ..conversion.settings import RunOptions
     from .convert import parameters_text
 
-    run_options = RunOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MergeRun)})
+    run_options = RunOptions(**{name: getattr(args, name) for name in RUN_SETTINGS})
     if args.add_expert or args.into:
         result = add_expert(args, run_options)
     else:
         from ..merging.pipeline import merge
 
-        given = [flag(f.name) for f in dataclasses.fields(AddExpertFlags) if getattr(args, f.name) is not None]
+        given = [flag(f.name) for f in dataclasses.fields(AddExpertFlags) if f.name in args.given]
         if given:
             raise ValueError(f"{', '.join(given)} describe the expert --add-expert adds: give --add-expert and --into.")
         result = merge(merge_config(args), run_options)

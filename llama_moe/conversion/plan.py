@@ -228,7 +228,7 @@ class ConversionPlan:
             resolved = resolve_recipe(recipe, run=run)
         asked, recipe = recipe, resolve_for_model(resolved, dense_config)
         family = FAMILIES[recipe.family]()
-        targets = {kind: _target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
+        targets = {kind: plan_target(recipe, family, kind, dense_config) for kind in family.target_kinds(recipe)}
         plan = cls(recipe, run, family, dense_config, targets, asked=recipe_as_asked(asked, recipe))
 
         plan.components = {
@@ -364,7 +364,8 @@ class ConversionPlan:
         return info
 
 
-def _target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
+def plan_target(recipe: MoERecipe, family, kind: str, dense_config) -> Target:
+    """The `Target` of one part of a resolved recipe, its layers read against the model's depth."""
     settings = family.parts[kind].read(recipe)
     layers = parse_moe_layers(settings.pop("layers"), dense_config.num_hidden_layers)
     shared = settings.pop("num_shared_experts") or 0

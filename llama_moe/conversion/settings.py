@@ -249,8 +249,8 @@ class RunOptions:
     eval: bool = dataclasses.field(
         default=True,
         metadata={
-            "help": "after writing, report the result's perplexity next to the dense model's on held-out built-in "
-            "text (a few seconds; skipped above 1.5B parameters)"
+            "help": "after writing, check what the output kept of its source: its answers to held-out chat prompts "
+            "and its KL on licence text, next to the dense model's (skipped above 1.5B parameters)"
         },
     )
 

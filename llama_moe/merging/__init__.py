@@ -3,7 +3,7 @@
     config.py      MergeConfig / ExpertSource and the merge recipe file (merge_recipe.yaml)
     mergekit.py    mergekit-moe's YAML read as it is, with one line per key it does not support
     sources.py     the models opened and checked (one family, one shape), the non-FFN differences reported
-    plan.py        the conversion plan of one model's FFN widened to every expert model
+    plan.py        the merge planned in one step: one model's FFN split as a conversion would, the gate over all
     pipeline.py    the streaming merge into an atomic folder (exported to Mixtral / Qwen2-MoE / Qwen3-MoE on request)
     add_expert.py  one more expert model into a merged MoE, every other expert and its routing unchanged
     card.py        the merged model's card

@@ -35,26 +35,35 @@ class ExpertSource:
         return self.source_model or "the built-in default model"
 
 
+def setting(default, help: str, choices=None):
+    """A merge setting declared once: the recipe key, and the `llama-moe merge` flag of that name with its help."""
+    return dataclasses.field(default=default, metadata={"help": help, **({"choices": choices} if choices else {})})
+
+
 @dataclasses.dataclass(frozen=True)
 class MergeConfig:
     """A merge: which models, which gate, what layout. `check()` refuses impossible settings in one line."""
 
     experts: tuple[ExpertSource, ...]
-    base_model: str | None = None  # attention, norms, embeddings (None: the built-in default model)
-    base_revision: str | None = None
+    base_model: str | None = setting(None, "attention, norms, embeddings (default: the built-in model)")
+    base_revision: str | None = setting(None, "Hub revision of the base model")
     shared_experts: tuple[ExpertSource, ...] = ()  # none, or one always-on expert
-    gate_mode: str = "hidden"  # a router init (`llama-moe convert --help`): hidden, cheap_embed, expert_data, ...
-    experts_per_token: int = 2
-    dtype: str | None = None  # output weights (default: the base model's)
-    architecture: str = "llama_moe"  # mixtral / qwen2_moe / qwen3_moe: merged, then exported to that family
-    non_ffn: str = "base"  # or "average": the mean of the non-FFN weights over the base and expert models
-    method: str = "upcycle"  # how each model's FFN becomes experts: upcycle (the whole FFN) or a split method
-    experts_per_model: int = 1  # experts each model's FFN is split into (split methods)
-    score_scale_factor: float | None = None  # default: 1 for whole FFNs, experts_per_model for splits
-    hidden_token: str = "last"  # `hidden` gate: the prompt's last token (mergekit's `hidden`) or the mean
-    gate_tokens: int = 4096  # `expert_data` gate: tokens of each expert's data
+    gate_mode: str = setting("hidden", "router init: hidden, cheap_embed, expert_data, random, uniform_random, trained")
+    experts_per_token: int = setting(2, "top-k")
+    dtype: str | None = setting(None, "output weights dtype (default: the base model's)", DTYPES)
+    architecture: str = setting("llama_moe", "layout written (the last three: merged, then exported)", ARCHITECTURES)
+    non_ffn: str = setting("base", "attention, norms and embeddings: the base's, or averaged over every model", NON_FFN)
+    method: str = setting("upcycle", "how each model's FFN becomes experts: upcycle (the whole FFN) or a split method")
+    experts_per_model: int = setting(1, "experts each model's FFN is split into (split methods)")
+    score_scale_factor: float | None = setting(
+        None, "expert output scale (default: 1, or experts_per_model for splits)"
+    )
+    hidden_token: str = setting(
+        "last", "the hidden gate's token of a prompt: its last (mergekit's) or the mean", HIDDEN_TOKENS
+    )
+    gate_tokens: int = setting(4096, "expert_data gate: tokens of each expert's data")
     gate_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the gate's own options (`mix_steps`, ...)
-    seed: int = 0
+    seed: int = setting(0, "seed of random gates and noise")
 
     @property
     def num_experts(self) -> int:

@@ -1,5 +1,6 @@
-"""A merge, planned: the conversion plan of one model's FFN (the per-model method checked on the base's shape), widened
-to every expert model: `num_experts = models x experts_per_model`, the gate over all of them, and the shared expert.
+"""A merge, planned in one step: one model's FFN split as a conversion would split it (the per-model method checked on
+the base's shape), the gate over every expert model's experts (`num_experts = models x experts_per_model`), and the
+shared expert.
 
 Each MoE layer of the output holds, in order, the experts of expert model 0, then of model 1, ...; expert model i's
 experts are what the per-model method (`upcycle`: the whole FFN) makes of model i's FFN, its `residual_scale` on the
@@ -12,9 +13,9 @@ import torch
 
 from llama_moe_hf.modeling.configuration_llama_moe import DEFAULT_ROUTER_TYPE
 
-from ..conversion.plan import ConversionPlan
+from ..conversion.plan import ConversionPlan, plan_target, resolve_for_model, resolve_recipe
 from ..conversion.recipe import MoERecipe
-from ..conversion.registry import METHODS, ROUTER_INITS
+from ..conversion.registry import FAMILIES, METHODS, ROUTER_INITS
 from ..conversion.target import MLP, SPLIT_STREAM, LayerBuild, layer_seed
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
@@ -49,32 +50,26 @@ class MergePlan(ConversionPlan):
 
     @classmethod
     def for_merge(cls, merge, source, run) -> "MergePlan":
-        if not _mergeable(METHODS[merge.method]):
-            usable = [name for name, m in METHODS.items() if _mergeable(m)]
+        """One model's FFN split as a conversion would split it (its recipe checked as one), the MLP target and its
+        gate over every expert model's experts, the shared expert's neurons as one FFN's; the output built once."""
+        if not METHODS[merge.method].mergeable:
+            usable = [name for name, method in METHODS.items() if method.mergeable]
             raise ValueError(
                 f"A merge splits each model's FFN with a method that needs no calibration and keeps the router's "
                 f"rows ({', '.join(usable)}), not {merge.method!r}."
             )
-        plan = cls.create(per_model_recipe(merge), source.config, run)
-        plan.merge, plan.source = merge, source
-        plan._widen()
+        dense_config = source.config
+        recipe = resolve_for_model(resolve_recipe(per_model_recipe(merge), run=run), dense_config)
+        family = FAMILIES[recipe.family]()
+        one = plan_target(recipe, family, MLP, dense_config)
+        method = METHODS[one.method](recipe, one, dense_config, run)  # builds one model's experts
+        shared = dense_config.intermediate_size // method.expert_size() if merge.shared_experts else 0
+        counts = {"num_experts": merge.num_experts, "top_k": merge.experts_per_token, "num_shared_experts": shared}
+        total, recipe = dataclasses.replace(one, **counts), dataclasses.replace(recipe, **counts)
+        router = ROUTER_INITS[total.router_init](recipe, total, dense_config, run)
+        plan = cls(recipe, run, family, dense_config, {MLP: total}, {MLP: (method, router)}, merge=merge, source=source)
+        plan.build_output()
         return plan
-
-    def _widen(self) -> None:
-        """The MLP target and its gate over every expert model; the shared expert's neurons as one FFN's."""
-        one = self.targets[MLP]
-        method, _ = self.components[MLP]
-        shared = self.dense_config.intermediate_size // method.expert_size() if self.merge.shared_experts else 0
-        total = dataclasses.replace(
-            one, num_experts=self.merge.num_experts, top_k=self.merge.experts_per_token, num_shared_experts=shared
-        )
-        self.targets[MLP] = total
-        self.recipe = dataclasses.replace(
-            self.recipe, num_experts=total.num_experts, top_k=total.top_k, num_shared_experts=shared
-        )
-        router = ROUTER_INITS[total.router_init](self.recipe, total, self.dense_config, self.run)
-        self.components[MLP] = (method, router)
-        self.build_output()
 
     def _block_tensors(self, kind: str, layer_idx: int, dense: dict, context) -> dict:
         if kind != MLP:
@@ -103,13 +98,3 @@ class MergePlan(ConversionPlan):
                 noise = torch.randn(tensor.shape, generator=generator) * expert.noise_scale
                 ffn[name] = (tensor.float() + noise).to(tensor.dtype)
         return ffn
-
-
-def _mergeable(method) -> bool:
-    """Methods whose experts come from the FFN's weights alone (no calibration pass over a model), one router row
-    per expert (fine-grained upcycling's repeated rows and its own expert counts would not widen)."""
-    from ..conversion.methods.base import ConstructionMethod
-
-    own = (method.request, method.prepare, method.router_tensors)
-    plain = (ConstructionMethod.request, ConstructionMethod.prepare, ConstructionMethod.router_tensors)
-    return method.target == MLP and own == plain

@@ -156,6 +156,35 @@ def test_the_command_line_and_the_python_api_build_the_same_recipe(tmp_path, seg
     assert parsed_recipe(config=config) == api  # a recipe file's keys count as flags do
 
 
+def test_the_merge_flags_are_the_merge_recipe_settings_as_declared():
+    """`llama-moe merge`'s flags are MergeConfig's settings (names, defaults, help) and its run flags RunOptions'."""
+    import dataclasses
+
+    from llama_moe.commands.merge import MERGE_SETTINGS, RUN_SETTINGS, MergeFlags, MergeRun
+    from llama_moe.conversion.settings import RunOptions
+    from llama_moe.merging.config import MergeConfig
+
+    def declared(cls, names):
+        return {f.name: (f.type, f.default, f.metadata["help"]) for f in dataclasses.fields(cls) if f.name in names}
+
+    assert declared(MergeFlags, MERGE_SETTINGS) == declared(MergeConfig, MERGE_SETTINGS)
+    assert {"gate_mode", "experts_per_token", "hidden_token", "gate_tokens", "seed"} <= set(MERGE_SETTINGS)
+    run = declared(RunOptions, RUN_SETTINGS)
+    kind, _, help = run["output"]
+    assert declared(MergeRun, RUN_SETTINGS) == run | {"output": (kind, dataclasses.MISSING, help)}  # merge needs it
+
+
+@pytest.mark.parametrize("given", [[], ["--experts-per-token", "2"]])  # 2 is the default: given, it counts
+def test_a_merge_flag_overrides_the_file_whatever_its_value(tmp_path, given):
+    from llama_moe.commands import build_parser
+    from llama_moe.commands.merge import merge_config
+
+    config = tmp_path / "merge.yaml"
+    config.write_text("experts:\n  - source_model: a\n  - source_model: b\n  - source_model: c\nexperts_per_token: 3\n")
+    (args,) = build_parser().parse_args_and_config(["merge", "--config", str(config), "--output", "out", *given])
+    assert merge_config(args).experts_per_token == (2 if given else 3)
+
+
 @pytest.mark.parametrize("flags", [("--segment-length", "256"), ("--attn-experts", "3")])
 def test_an_option_of_a_family_not_chosen_is_refused_in_one_line(tmp_path, dense, capsys, flags):
     """The family is chosen (`--family`, the preset or recipe file), never guessed from the options set."""

@@ -30,6 +30,9 @@ class ConstructionMethod:
     neuron_split = False  # experts are subsets of the dense neurons (compensation and selectors need this)
     representative_neurons = False  # its splits name a representative neuron per routed expert (analytical routers)
     uses_split_files = False  # --save-split / --load-split apply
+    # `llama-moe merge` may split each model's FFN with it: its experts come from the FFN's weights alone (no
+    # calibration pass over a model), one router row each, so the gate widens to every model's experts
+    mergeable = False
     default_router_init = "random"
 
     def __init__(self, recipe, target: Target, dense_config, run=None):

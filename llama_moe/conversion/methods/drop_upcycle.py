@@ -32,6 +32,7 @@ class DropUpcycle(SplitMethod):
     Options = DropUpcycleOptions
     allows_shared_experts = False
     neuron_split = False  # every expert holds every neuron
+    mergeable = True
 
     def __init__(self, recipe, target, dense_config, run=None):
         super().__init__(recipe, target, dense_config, run)

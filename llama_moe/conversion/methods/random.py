@@ -10,6 +10,7 @@ class RandomSplit(SplitMethod):
     description = (
         "LLaMA-MoE Independent-Random: each layer's FFN neurons are shuffled (seeded) and cut into equal experts."
     )
+    mergeable = True
 
     def split(self, layer_idx, dense, context):
         from ..experts import split_random

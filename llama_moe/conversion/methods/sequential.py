@@ -7,6 +7,7 @@ from .base import SplitMethod
 @METHODS.register("sequential")
 class SequentialSplit(SplitMethod):
     description = "Sequential: expert e takes the e-th contiguous block of FFN neurons."
+    mergeable = True
 
     def split(self, layer_idx, dense, context):
         from ..experts import split_sequential

@@ -22,6 +22,7 @@ class Upcycle(SplitMethod):
     Options = UpcycleOptions
     allows_shared_experts = False
     neuron_split = False  # every expert holds every neuron
+    mergeable = True
 
     def split(self, layer_idx, dense, context):
         from ..experts import split_upcycle
