@@ -122,6 +122,31 @@ class ContinualPretrainArguments:
 
         if self.model_name_or_path == DEFAULT_MODEL:  # its folder; the card and history name the folder, not the path
             self.model_name_or_path = str(model_folder(DEFAULT_MODEL))
+        self.check()
+
+    def check(self) -> None:
+        """One ValueError for the first impossible value among these settings (the recipe then checks them against
+        its TrainingArguments and the model, before anything loads)."""
+        if not 0 < self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be between 0 and 1, got {self.held_out_fraction}.")
+        if self.eval_blocks < 1 or self.seq_len < 2:
+            raise ValueError(f"eval_blocks must be >= 1 and seq_len >= 2, got {self.eval_blocks} and {self.seq_len}.")
+        if self.train_moe_only and self.train_routers_only:
+            raise ValueError("train_moe_only and train_routers_only exclude each other: choose one.")
+        if not 0 <= self.distill_alpha <= 1 or self.distill_temperature <= 0 or self.distill_hidden_weight < 0:
+            raise ValueError(
+                "distill_alpha must be in [0, 1], distill_temperature above 0 and distill_hidden_weight at least 0; "
+                f"got {self.distill_alpha}, {self.distill_temperature} and {self.distill_hidden_weight}."
+            )
+        if self.distill_top_k is not None and self.distill_top_k < 1:
+            raise ValueError(f"distill_top_k must be at least 1 (or unset for all tokens), got {self.distill_top_k}.")
+        if self.distill_hidden_weight and not self.distill_hidden_layers:
+            raise ValueError(
+                "distill_hidden_weight needs distill_hidden_layers (indices of the hidden states to match)."
+            )
+        if self.distill_hidden_loss not in HIDDEN_LOSSES:
+            choices = ", ".join(HIDDEN_LOSSES)
+            raise ValueError(f"distill_hidden_loss must be one of {choices}, got {self.distill_hidden_loss!r}.")
 
 
 class MixtureTrainer(
@@ -273,10 +298,8 @@ def _trained(args: ContinualPretrainArguments) -> str:
 
 
 def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> None:
-    if not 0 < args.held_out_fraction < 1:
-        raise ValueError(f"held_out_fraction must be between 0 and 1, got {args.held_out_fraction}.")
-    if args.eval_blocks < 1 or args.seq_len < 2:
-        raise ValueError(f"eval_blocks must be >= 1 and seq_len >= 2, got {args.eval_blocks} and {args.seq_len}.")
+    """The settings against the TrainingArguments and the model (each alone: `ContinualPretrainArguments.check`)."""
+    args.check()  # the fields may have been set after the dataclass was built
     if training.dataloader_num_workers:  # workers would sample from copies of the weights and counts
         raise ValueError("The domain mixture samples in the main process: set dataloader_num_workers to 0.")
     if args.reference_model and (training.deepspeed or training.fsdp):
@@ -284,7 +307,6 @@ def _check(args: ContinualPretrainArguments, training: TrainingArguments) -> Non
             "--reference_model is evaluated whole in every process; with ZeRO-3/FSDP measure the reference losses "
             "once and pass them as --reference_losses NAME=LOSS ..."
         )
-    _check_distillation(args)
     _check_moe_only(args)
 
 
@@ -292,8 +314,6 @@ def _check_moe_only(args: ContinualPretrainArguments) -> None:
     """`train_moe_only` / `train_routers_only` on a model of none of our families, refused from its config before
     anything loads."""
     option = "train_routers_only" if args.train_routers_only else "train_moe_only"
-    if args.train_moe_only and args.train_routers_only:
-        raise ValueError("train_moe_only and train_routers_only exclude each other: choose one.")
     if not getattr(args, option) or not args.model_name_or_path:
         return
     from ..conversion import families  # noqa: F401  (fills FAMILIES)
@@ -306,21 +326,6 @@ def _check_moe_only(args: ContinualPretrainArguments) -> None:
             f"{option}: {args.model_name_or_path} is a {model_type} model, not one of {', '.join(FAMILIES)}: "
             f"it has no MoE blocks to train (convert or merge it first, or drop --{option})."
         )
-
-
-def _check_distillation(args: ContinualPretrainArguments) -> None:
-    if not 0 <= args.distill_alpha <= 1 or args.distill_temperature <= 0 or args.distill_hidden_weight < 0:
-        raise ValueError(
-            "distill_alpha must be in [0, 1], distill_temperature above 0 and distill_hidden_weight at least 0; got "
-            f"{args.distill_alpha}, {args.distill_temperature} and {args.distill_hidden_weight}."
-        )
-    if args.distill_top_k is not None and args.distill_top_k < 1:
-        raise ValueError(f"distill_top_k must be at least 1 (or unset for all tokens), got {args.distill_top_k}.")
-    if args.distill_hidden_weight and not args.distill_hidden_layers:
-        raise ValueError("distill_hidden_weight needs distill_hidden_layers (indices of the hidden states to match).")
-    if args.distill_hidden_loss not in HIDDEN_LOSSES:
-        choices = ", ".join(HIDDEN_LOSSES)
-        raise ValueError(f"distill_hidden_loss must be one of {choices}, got {args.distill_hidden_loss!r}.")
 
 
 def _evaluation_sets(domains, eval_blocks: int) -> dict:
