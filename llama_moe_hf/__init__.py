@@ -4,50 +4,11 @@ else. The conversion tools and the `llama-moe` command are the `llama_moe` packa
 from here too (`llama_moe_hf.convert_to_moe`), imported on first use.
 """
 
-from .modeling import (  # importing the model code registers the families with the Auto classes
-    AttnMoEConfig,
-    AttnMoEForCausalLM,
-    AttnMoEForQuestionAnswering,
-    AttnMoEForSequenceClassification,
-    AttnMoEForTokenClassification,
-    AttnMoEModel,
-    LlamaMoEConfig,
-    LlamaMoEForCausalLM,
-    LlamaMoEForQuestionAnswering,
-    LlamaMoEForSequenceClassification,
-    LlamaMoEForTokenClassification,
-    LlamaMoEModel,
-    SoapMoEConfig,
-    SoapMoEForCausalLM,
-    SoapMoEForQuestionAnswering,
-    SoapMoEForSequenceClassification,
-    SoapMoEForTokenClassification,
-    SoapMoEModel,
-)
+from . import modeling  # importing the model code registers the families with the Auto classes
+from .modeling import *  # noqa: F403  (the model classes, as `llama_moe_hf.LlamaMoEForCausalLM`)
 
 __version__ = "0.4.1"  # the model code's LLAMA_MOE_VERSION, which setup.py reads (tests/package/test_structure.py)
-
-__all__ = [
-    "AttnMoEConfig",
-    "AttnMoEForCausalLM",
-    "AttnMoEForQuestionAnswering",
-    "AttnMoEForSequenceClassification",
-    "AttnMoEForTokenClassification",
-    "AttnMoEModel",
-    "LlamaMoEConfig",
-    "LlamaMoEForCausalLM",
-    "LlamaMoEForQuestionAnswering",
-    "LlamaMoEForSequenceClassification",
-    "LlamaMoEForTokenClassification",
-    "LlamaMoEModel",
-    "SoapMoEConfig",
-    "SoapMoEForCausalLM",
-    "SoapMoEForQuestionAnswering",
-    "SoapMoEForSequenceClassification",
-    "SoapMoEForTokenClassification",
-    "SoapMoEModel",
-    "__version__",
-]  # and the API of `llama_moe` (`llama_moe.API`), forwarded by __getattr__
+__all__ = [*modeling.__all__, "__version__"]  # and the API of `llama_moe` (`llama_moe.API`), forwarded by __getattr__
 
 
 def __getattr__(name: str):
