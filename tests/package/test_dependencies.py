@@ -113,8 +113,8 @@ class Hidden(PathFinder):  # finds nothing under the hidden name: as if the pack
         return None if name.split(".")[0] == sys.argv[1] else PathFinder.find_spec(name, path, target)
 
 sys.meta_path[sys.meta_path.index(PathFinder)] = Hidden
-import llama_moe
-sys.exit(llama_moe.main(sys.argv[2:]))
+from llama_moe.commands import main
+sys.exit(main(sys.argv[2:]))
 """
 
 
