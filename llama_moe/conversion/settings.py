@@ -29,17 +29,33 @@ HEAL_SCHEDULES = ("constant", "cosine", "linear")  # healing's learning rate ove
 HEAL_TARGETS = ("stream", "mlp")  # what healing trains each MoE MLP to reproduce
 
 
+def _model_code() -> Path:
+    """`llama_moe_hf/modeling`, found, not imported: importing it registers the families (torch)."""
+    return Path(importlib.util.find_spec("llama_moe_hf").submodule_search_locations[0]) / "modeling"
+
+
 def _model_constant(file: str, name: str) -> tuple[str, ...]:
     """The literal tuple `name = (...)` of `llama_moe_hf/modeling/<file>`, read without importing it."""
-    model_code = Path(importlib.util.find_spec("llama_moe_hf").submodule_search_locations[0]) / "modeling"
-    tree = ast.parse((model_code / file).read_text())  # found, not imported: importing it registers (torch)
+    tree = ast.parse((_model_code() / file).read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return tuple(ast.literal_eval(node.value))
     raise LookupError(f"modeling/{file} defines no {name}")
 
 
-ROUTER_TYPES = _model_constant("configuration_llama_moe.py", "ROUTER_TYPES")
+def _router_types() -> tuple[str, ...]:
+    """The `router_type` of each gate class in `llama_moe_hf/modeling/routers.py`, in order, read without importing
+    it (defining a class registers it there)."""
+    tree = ast.parse((_model_code() / "routers.py").read_text())
+    names = []
+    for node in tree.body:
+        for item in node.body if isinstance(node, ast.ClassDef) else ():
+            if isinstance(item, ast.Assign) and any(getattr(t, "id", None) == "router_type" for t in item.targets):
+                names += [item.value.value] if item.value.value else []  # the base class's "" names no gate
+    return tuple(names)
+
+
+ROUTER_TYPES = _router_types()
 ATTENTION_GRANULARITIES = _model_constant("configuration_attn_moe.py", "ATTENTION_EXPERT_GRANULARITIES")
 ROUTING_MODES = _model_constant("configuration_soap_moe.py", "ROUTING_MODES")
 DTYPES = ("float32", "bfloat16", "float16")  # output weights

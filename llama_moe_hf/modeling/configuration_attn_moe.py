@@ -6,12 +6,10 @@ and `.configuration_llama_moe`.
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_llama_moe import ROUTER_TYPES, LlamaMoEConfig
+from .configuration_llama_moe import LlamaMoEConfig
 
 ATTENTION_EXPERT_GRANULARITIES = ("kv_group", "query_heads")
 ATTENTION_EXPERTS_IMPLEMENTATIONS = ("masked", "gathered")
-# Expert choice gives a token 0..E experts from the whole batch; the attention experts only implement token choice.
-ATTENTION_ROUTER_TYPES = tuple(name for name in ROUTER_TYPES if name != "expert_choice")
 
 
 def valid_attention_expert_counts(num_heads: int, num_kv_heads: int, granularity: str) -> list[int]:
@@ -128,16 +126,7 @@ class AttnMoEConfig(LlamaMoEConfig):
                 f"Unknown attention_experts_implementation {self.attention_experts_implementation!r}; choose one of "
                 f"{', '.join(ATTENTION_EXPERTS_IMPLEMENTATIONS)}."
             )
-        if self.attention_router_type == "expert_choice":
-            raise ValueError(
-                "attention_router_type='expert_choice' is not supported: attention experts are routed token-choice "
-                f"only; choose one of {', '.join(ATTENTION_ROUTER_TYPES)}."
-            )
-        if self.attention_router_type not in ATTENTION_ROUTER_TYPES:
-            raise ValueError(
-                f"Unknown attention_router_type {self.attention_router_type!r}; "
-                f"choose one of {', '.join(ATTENTION_ROUTER_TYPES)}."
-            )
+        self._check_attention_router()
         scale = self.attention_score_scale_factor
         if isinstance(scale, list) and len(scale) != self.num_hidden_layers:
             raise ValueError(
@@ -150,6 +139,20 @@ class AttnMoEConfig(LlamaMoEConfig):
             raise ValueError(f"attention_moe_layers {bad_layers} are outside 0..{self.num_hidden_layers - 1}.")
         if len(set(layers)) != len(layers):
             raise ValueError(f"attention_moe_layers has duplicates: {layers}.")
+
+    def _check_attention_router(self):
+        from .routers import ROUTER_CLASSES
+
+        # Expert choice gives a token 0..E experts from the whole batch; the attention experts only route token choice.
+        token_choice = [name for name, cls in ROUTER_CLASSES.items() if cls.token_choice]
+        kind = self.attention_router_type
+        if kind in ROUTER_CLASSES and kind not in token_choice:
+            raise ValueError(
+                f"attention_router_type={kind!r} is not supported: attention experts are routed token-choice only; "
+                f"choose one of {', '.join(token_choice)}."
+            )
+        if kind not in token_choice:
+            raise ValueError(f"Unknown attention_router_type {kind!r}; choose one of {', '.join(token_choice)}.")
 
     def check_attention_experts_split(self):
         """The query heads must split into `num_attention_experts` experts as `attention_expert_granularity` says:

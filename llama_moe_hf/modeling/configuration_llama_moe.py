@@ -23,8 +23,7 @@ if transformers.__version__ not in SpecifierSet(TRANSFORMERS_REQUIREMENT, prerel
         f"found {transformers.__version__}: pip install 'transformers{TRANSFORMERS_REQUIREMENT}'"
     )
 
-ROUTER_TYPES = ("top_k", "switch", "noisy_top_k", "selector", "expert_choice", "analytical")  # routers.ROUTER_CLASSES
-DEFAULT_ROUTER_TYPE = ROUTER_TYPES[0]  # softmax top-k, renormalised: what the stock MoE families compute
+DEFAULT_ROUTER_TYPE = "top_k"  # softmax top-k, renormalised: what the stock MoE families compute
 
 
 @strict
@@ -224,8 +223,10 @@ class LlamaMoEConfig(LlamaLikeConfig):
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}.")
         if self.num_shared_experts and (self.shared_expert_intermediate_size or 0) < 1:
             raise ValueError("shared_expert_intermediate_size must be a positive integer when shared experts are used.")
-        if self.router_type not in ROUTER_TYPES:
-            raise ValueError(f"Unknown router_type {self.router_type!r}; choose one of {', '.join(ROUTER_TYPES)}.")
+        from .routers import ROUTER_CLASSES  # the gates are registered there, one class each
+
+        if self.router_type not in ROUTER_CLASSES:
+            raise ValueError(f"Unknown router_type {self.router_type!r}; choose one of {', '.join(ROUTER_CLASSES)}.")
         if isinstance(self.score_scale_factor, list) and len(self.score_scale_factor) != self.num_hidden_layers:
             raise ValueError(
                 f"score_scale_factor has {len(self.score_scale_factor)} values but the model has "

@@ -1,11 +1,11 @@
 """The routers (gates) of the MoE blocks, one class per `config.router_type` (`ROUTER_CLASSES`): hidden states [T, H]
 -> (router_logits [T, E], top-k weights [T, k], top-k expert ids [T, k]), in float32; the expert-choice router in
 training gives each expert's tokens instead (weights [E, C], token ids [E, C]). LlamaMoE's MLP experts and AttnMoE's
-attention-head experts are routed by these. A new gate is one class here (its `init_weights` included) plus its name
-in `configuration_llama_moe.ROUTER_TYPES`.
+attention-head experts are routed by these. A new gate is one subclass of `LlamaMoERouter` with its own `router_type`
+(its `init_weights` included): defining it registers it in `ROUTER_CLASSES`, which the configs validate against and the
+command line reads (without importing this file: `conversion.settings` reads the class attributes).
 
-This file is copied next to saved checkpoints (remote code): it imports only torch, transformers and
-`.configuration_llama_moe`.
+This file is copied next to saved checkpoints (remote code): it imports only torch and transformers.
 """
 
 import math
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
-from .configuration_llama_moe import LlamaMoEConfig
+# `router_type` -> router class, filled as the classes are defined (`LlamaMoERouter.__init_subclass__`).
+ROUTER_CLASSES: dict[str, type["LlamaMoERouter"]] = {}
 
 
 class LlamaMoERouter(nn.Module):
@@ -28,6 +29,7 @@ class LlamaMoERouter(nn.Module):
 
     # Whether `forward` returns each expert's chosen tokens (`[E, C]`) rather than each token's experts (`[T, k]`).
     chooses_tokens = False
+    token_choice = True  # whether it routes by tokens' choices in training too (attention experts need it)
     # What the gate means, read by the conversion plan and the export targets (never its name). The defaults are
     # those of a gate that says nothing: every target refuses it until it states how it maps.
     router_type = ""  # its `config.router_type`
@@ -44,7 +46,12 @@ class LlamaMoERouter(nn.Module):
     )
     untrained_tensors: tuple[str, ...] = ()  # parameters a router init leaves out, zero until trained (never exported)
 
-    def __init__(self, config: LlamaMoEConfig, num_experts: int | None = None, top_k: int | None = None):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "router_type" in cls.__dict__:  # a gate of its own, not a helper subclass that inherits one
+            ROUTER_CLASSES[cls.router_type] = cls
+
+    def __init__(self, config, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
         self.num_experts = num_experts or config.num_experts
         self.top_k = top_k or config.num_experts_per_tok
@@ -207,6 +214,7 @@ class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
     training the same logits route token-choice top-k (`LlamaMoETopKRouter`), which decodes with a KV cache."""
 
     router_type = "expert_choice"
+    token_choice = False
     inference_note = (
         "router_type 'expert_choice' is exported as its inference routing, token-choice softmax top-k (what "
         "model.eval() and generate compute); expert-choice routing and its capacity exist in training only"
@@ -233,16 +241,3 @@ class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
         weights, token_index = torch.topk(probs, self.capacity(probs.shape[1]), dim=-1)  # [E, C] each
         return router_logits, weights, token_index
 
-
-# `router_type` -> router class.
-ROUTER_CLASSES: dict[str, type[LlamaMoERouter]] = {
-    cls.router_type: cls
-    for cls in (
-        LlamaMoETopKRouter,
-        LlamaMoESwitchRouter,
-        LlamaMoENoisyTopKRouter,
-        LlamaMoESelectorRouter,
-        LlamaMoEExpertChoiceRouter,
-        LlamaMoEAnalyticalRouter,
-    )
-}

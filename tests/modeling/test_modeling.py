@@ -21,7 +21,6 @@ from llama_moe.source_families import dense_config_fields
 from llama_moe_hf import LlamaMoEConfig, LlamaMoEForCausalLM, build_moe
 from llama_moe_hf.modeling import (
     configuration_attn_moe,
-    configuration_llama_moe,
     configuration_soap_moe,
     moe_kernels,
 )
@@ -72,7 +71,7 @@ def test_config_defaults_split_the_dense_ffn_evenly():
 
 
 def test_names_agree_between_the_config_the_model_and_the_command_line():
-    assert tuple(ROUTER_CLASSES) == configuration_llama_moe.ROUTER_TYPES == ROUTER_TYPES
+    assert tuple(ROUTER_CLASSES) == ROUTER_TYPES
     assert configuration_attn_moe.ATTENTION_EXPERT_GRANULARITIES == ATTENTION_GRANULARITIES
     assert configuration_soap_moe.ROUTING_MODES == ROUTING_MODES
 
@@ -173,6 +172,20 @@ def test_each_gate_is_its_own_router_class():
     model = tiny_moe(router_type="switch")
     assert type(model.model.layers[0].mlp.gate).__name__ == "LlamaMoESwitchRouter"
     assert all(issubclass(cls, LlamaMoERouter) for cls in ROUTER_CLASSES.values())
+
+
+def test_a_new_gate_is_one_class():
+    class HalfTopKRouter(LlamaMoERouter):  # defined elsewhere than routers.py, as a plugin would
+        router_type = "test_half_top_k"
+
+    try:
+        assert ROUTER_CLASSES["test_half_top_k"] is HalfTopKRouter
+        config = LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), router_type="test_half_top_k")
+        assert config.router_type == "test_half_top_k"
+    finally:
+        ROUTER_CLASSES.pop("test_half_top_k")
+    with pytest.raises(ValueError, match="Unknown router_type 'test_half_top_k'"):
+        LlamaMoEConfig(**dense_config_fields(tiny_llama_config()), router_type="test_half_top_k")
 
 
 def test_top_k_router_is_mixtrals_renormalised_softmax():
