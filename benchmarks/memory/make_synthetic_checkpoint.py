@@ -1,12 +1,17 @@
 """Write a random dense LLaMA checkpoint of a given shape to disk, shard by shard (never the whole model in memory).
 
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama7b --shape 7b --dtype bfloat16
+    python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama1b --shape 1b --tokenizer default
+
+`--tokenizer FOLDER` (`default`: the built-in model's) copies a tokenizer beside the weights, the vocabulary widened
+to hold its ids, so that conversions which read text (calibration, healing) run on the checkpoint.
 
 Used by bench_convert_memory.py. The weights are random: only shapes, dtypes and file layout matter.
 """
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,9 +63,12 @@ def layer_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def write_checkpoint(out: Path, shape: str, dtype: torch.dtype, layers_per_shard: int) -> None:
-    config = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+def write_checkpoint(out: Path, shape: str, dtype: torch.dtype, layers_per_shard: int, tokenizer=None) -> None:
     out.mkdir(parents=True, exist_ok=False)
+    fields = dict(SHAPES[shape])
+    if tokenizer is not None:
+        fields["vocab_size"] = max(fields["vocab_size"], _copy_tokenizer(Path(tokenizer), out))
+    config = LlamaConfig(**fields, tie_word_embeddings=False)
     config.dtype = dtype
     config.save_pretrained(out)
     groups = [
@@ -88,14 +96,34 @@ def write_checkpoint(out: Path, shape: str, dtype: torch.dtype, layers_per_shard
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _copy_tokenizer(folder: Path, out: Path) -> int:
+    """The tokenizer files of `folder` copied into `out`; the tokenizer's vocabulary size."""
+    from transformers import AutoTokenizer
+
+    from llama_moe.checkpoints.folder import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+    return len(AutoTokenizer.from_pretrained(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--layers-per-shard", type=int, default=2)
+    parser.add_argument(
+        "--tokenizer", help="a folder whose tokenizer to copy beside the weights (default: the built-in model's)"
+    )
     args = parser.parse_args()
-    write_checkpoint(args.output, args.shape, getattr(torch, args.dtype), args.layers_per_shard)
+    tokenizer = args.tokenizer
+    if tokenizer == "default":
+        from llama_moe.checkpoints.default import default_model_path
+
+        tokenizer = default_model_path()
+    write_checkpoint(args.output, args.shape, getattr(torch, args.dtype), args.layers_per_shard, tokenizer)
 
 
 if __name__ == "__main__":

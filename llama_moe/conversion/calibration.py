@@ -90,13 +90,16 @@ def data_path(recipe) -> str | None:
 class CalibrationContext:
     """What one conversion learns from running the dense model: computed once, passed explicitly to the components.
 
-    Components first `request_*` the statistics they will use; `collect()` then loads the dense model (once) and
-    records them all in a single no-gradient pass over the calibration tokens. Gradient passes (neuron importance)
-    and k-means centroids are computed on demand from the same model and cached. `release()` drops the model before
-    the streaming write.
+    Components first `request_*` the statistics they will use; `collect()` then records them all in a single
+    no-gradient pass over the calibration tokens. Gradient passes (neuron importance) and k-means centroids are
+    computed on demand and cached. Every pass runs a decoder layer at a time (`statistics.collect_calibration`): from
+    `source`, a `DenseSource`, one layer is read and in memory at once; without one, the model `load_model` gives
+    runs layer by layer. The whole model is loaded only to make text (`builtin:chat`), and dropped once all the text
+    the conversion reads is made. `release()` drops it before the streaming write.
 
     recipe: the calibration settings (`calibration_*`, `seed`). load_model / load_tokenizer: called at most once.
-    input_ids: calibration tokens `[B, S]` to use instead of tokenizing the recipe's calibration data.
+    input_ids: calibration tokens `[B, S]` to use instead of tokenizing the recipe's calibration data. offload_dir:
+    where a gradient pass keeps the layers' inputs when they do not fit in memory (default: a temporary folder).
     """
 
     def __init__(
@@ -109,8 +112,10 @@ class CalibrationContext:
         device: str | None = None,
         batch_size: int = 4,
         progress: bool = True,
+        source=None,
+        offload_dir: str | None = None,
     ):
-        self.recipe = recipe
+        self.recipe, self.source, self.offload_dir = recipe, source, offload_dir
         self._load_model, self._load_tokenizer = load_model, load_tokenizer
         self._model = None
         self._released = False
@@ -125,6 +130,7 @@ class CalibrationContext:
         self._importance: dict[str, dict[int, LayerCalibration]] = {}
         self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
         self._made: dict = {}  # kind -> `text.chat.SelfMade`, for the data the dense model makes (`SELF_MADE`)
+        self._text_made = False  # all of it made, as much as the conversion reads
 
     def serves(self, recipe) -> bool:
         """Whether this context's statistics are those `recipe`'s calibration settings give (to share it)."""
@@ -156,7 +162,7 @@ class CalibrationContext:
         if not (mlp or attention or embeddings):
             return
         new = collect_calibration(
-            *self._model_and_tokens(),
+            *self._dense_and_tokens(),
             mlp,
             attention_experts=attention,
             sequence_embeddings=embeddings,
@@ -193,13 +199,14 @@ class CalibrationContext:
         `collect_calibration`'s `token_groups` / `sequence_groups` and `num_groups`."""
         if key not in self._importance:
             self._importance[key] = collect_calibration(
-                *self._model_and_tokens(),
+                *self._dense_and_tokens(),
                 layers,
                 with_gradients=True,
                 batch_size=self.batch_size,
                 max_hidden_samples=0,
                 seed=self.recipe.seed,
                 progress=self.progress,
+                offload_dir=self.offload_dir,
                 **groups,
             ).mlp
         return self._importance[key]
@@ -232,11 +239,14 @@ class CalibrationContext:
                 self._model = self._load_model(torch.float32 if device == "cpu" else None, device)
         return self._model
 
-    def _model_and_tokens(self) -> tuple:
-        """(model, calibration tokens), the tokens made first: bad data or a missing tokenizer fails in seconds,
-        before the model is loaded."""
+    def _dense_and_tokens(self) -> tuple:
+        """(what the statistics run on: the source, else the loaded model; calibration tokens), the tokens made first:
+        bad data or a missing tokenizer fails in seconds, before any weight is read."""
         input_ids = self.input_ids
-        return self.model(), input_ids
+        if self.source is None:
+            return self.model(), input_ids
+        self._make_text_and_drop_model()  # a whole model in memory beside the pass would undo its bound
+        return self.source, input_ids
 
     @property
     def input_ids(self) -> torch.LongTensor:
@@ -309,14 +319,20 @@ class CalibrationContext:
         return self._made[kind]
 
     def release(self) -> None:
-        """Drop the dense model (the statistics stay), so that the streaming write holds about one layer. Text that
-        only the dense model can make (`builtin:chat`) is made first, as much as healing will read."""
+        """Drop the dense model (the statistics stay), so that the streaming write holds about one layer."""
+        if not self._released:
+            self._make_text_and_drop_model()
+        self._released = True
+
+    def _make_text_and_drop_model(self) -> None:
+        """Text that only the dense model can make (`builtin:chat`) made now, as much as the conversion will read
+        (healing included), then the model dropped."""
         r = self.recipe
         needed = r.heal_tokens + r.joint_heal_tokens
         made_here = r.calibration_data in SELF_MADE and self.data_description != "given token ids"
-        if made_here and (needed or self.used) and not self._released:
+        if made_here and (needed or self.used) and not self._text_made:
             self.tokens(max(needed, r.calibration_tokens))
+            self._text_made = True
         for made in self._made.values():
             made.model = None
         self._model = None
-        self._released = True

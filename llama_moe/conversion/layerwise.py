@@ -1,5 +1,6 @@
-"""The dense model's hidden states at the input of each decoder layer, computed a layer at a time (the `hidden` and
-`expert_data` router inits of a merge): one layer's weights are in memory at once, beside the sequences' states.
+"""The dense model run a decoder layer at a time: one layer's weights are in memory at once, beside the sequences'
+states (`DecoderLayers`; calibration's statistics run on it, `statistics.collect_calibration`), and the hidden states
+at the input of each layer (`layer_input_states`: the `hidden` and `expert_data` router inits of a merge).
 
     h_0 = embed(tokens);  h_{i+1} = layer_i(h_i)    the source family's own decoder layer, rotary embedding and
                                                       causal / sliding-window masks, in float32
@@ -26,9 +27,11 @@ def layer_input_states(source, token_lists, reduce: str = "last", device=None, p
 
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {', '.join(REDUCTIONS)}, not {reduce!r}.")
-    runner = _LayerRunner(source, torch.device(device or default_device()))
+    runner = SourceLayers(source, torch.device(device or default_device()))
     groups = _by_length(token_lists)
-    states = {length: runner.embed([token_lists[i] for i in rows]) for length, rows in groups.items()}
+    states = {
+        length: runner.embed([list(token_lists[i]) for i in rows]).to(runner.device) for length, rows in groups.items()
+    }
     layers = runner.config.num_hidden_layers
     reduced = torch.empty(layers, len(token_lists), runner.config.hidden_size)
     for layer_idx in tqdm(range(layers), desc="Hidden states", unit="layer", disable=not progress):
@@ -40,8 +43,66 @@ def layer_input_states(source, token_lists, reduce: str = "last", device=None, p
     return reduced
 
 
-class _LayerRunner:
-    """One decoder layer of the source at a time, run as the whole model runs it (`config._attn_implementation`:
+class DecoderLayers:
+    """The dense model's decoder layers, run one at a time as the whole model runs them, on `device`.
+
+    From a `DenseSource` (`SourceLayers`: each layer's weights read when it runs, so one is in memory at a time) or
+    from a model already loaded (`ModelLayers`: its own modules). The states between layers stay where the caller
+    keeps them (the CPU); each batch is moved to `device` for the layer and back.
+    """
+
+    config = None
+    model = None  # the loaded model whose layers these are (`ModelLayers`)
+    device: torch.device
+    dtype = torch.float32  # what the layers compute in
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[B, S, H]` float32 input embeddings, on the CPU."""
+        raise NotImplementedError
+
+    def layer(self, layer_idx: int):
+        raise NotImplementedError
+
+    def release(self, layer) -> None:
+        """Done with `layer` (a source's layer is dropped, a loaded model's kept)."""
+
+    def final_norm(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def lm_head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _setup(self, config, rotary, layer_types, device):
+        self.config, self.rotary, self.layer_types, self.device = config, rotary, layer_types, device
+
+    def run(self, layer, layer_idx: int, states: torch.Tensor, batch_size: int = BATCH, before_batch=None):
+        """The layer's output on `[B, S, H]` states (returned where the states are), `batch_size` sequences at a
+        time; `before_batch(first_sequence, num_sequences)` is called before each batch runs."""
+        outputs = []
+        for start, batch in zip(range(0, states.shape[0], batch_size), states.split(batch_size)):
+            if before_batch is not None:
+                before_batch(start, batch.shape[0])
+            outputs.append(
+                self.call(layer, layer_idx, batch.to(self.device, self.dtype)).to(states.device, states.dtype)
+            )
+        return torch.cat(outputs)
+
+    def call(self, layer, layer_idx: int, batch: torch.Tensor) -> torch.Tensor:
+        """The layer on one `[b, S, H]` batch already on the device (causal or sliding-window mask, no padding)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        sliding = self.layer_types[layer_idx] == "sliding_attention"
+        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+        positions = torch.arange(batch.shape[1], device=self.device)[None]
+        rotary = self.rotary(batch[:1], positions)
+        mask = make_mask(
+            config=self.config, inputs_embeds=batch, attention_mask=None, cache=None, position_ids=positions
+        )
+        return layer(batch, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+
+
+class SourceLayers(DecoderLayers):
+    """A `DenseSource`'s layers, each read from the checkpoint when it runs, in float32 (`config._attn_implementation`:
     sdpa; the sequences carry no padding)."""
 
     def __init__(self, source, device: torch.device):
@@ -49,16 +110,17 @@ class _LayerRunner:
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = source.family.model_class()(config)
-        self.source, self.config, self.device = source, config, device
-        self.layer_class = type(model.model.layers[0])
-        self.rotary = type(model.model.rotary_emb)(config=config).to(device)
-        self.layer_types = source.family.layer_types(config)
+        self.source = source
+        self.layer_class, self.norm_class = type(model.model.layers[0]), type(model.model.norm)
+        device = torch.device(device)
+        self._setup(
+            config, type(model.model.rotary_emb)(config=config).to(device), source.family.layer_types(config), device
+        )
 
-    def embed(self, token_lists) -> torch.Tensor:
-        """`[B, S, H]` input embeddings, looked up in the stored dtype (the matrix is never copied whole)."""
-        ids = torch.as_tensor([list(tokens) for tokens in token_lists], dtype=torch.long)
-        weight = self.source.tensor("model.embed_tokens.weight")
-        return torch.nn.functional.embedding(ids, weight).to(self.device, torch.float32)
+    def embed(self, input_ids) -> torch.Tensor:
+        """Looked up in the stored dtype (the matrix is never copied whole)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        return torch.nn.functional.embedding(ids, self.source.tensor("model.embed_tokens.weight")).float()
 
     def layer(self, layer_idx: int):
         prefix = f"model.layers.{layer_idx}."
@@ -69,23 +131,56 @@ class _LayerRunner:
         with torch.device("meta"):
             layer = self.layer_class(self.config, layer_idx)
         layer.load_state_dict(weights, assign=True)
-        return layer.eval()
+        return layer.eval().requires_grad_(False)
 
-    def run(self, layer, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
-        """The layer's output on `[B, S, H]` states, `BATCH` sequences at a time."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    def final_norm(self):
+        with torch.device("meta"):
+            norm = self.norm_class(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.load_state_dict(
+            {"weight": self.source.tensor("model.norm.weight").to(self.device, torch.float32)}, assign=True
+        )
+        return norm.requires_grad_(False)
 
-        sliding = self.layer_types[layer_idx] == "sliding_attention"
-        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
-        positions = torch.arange(states.shape[1], device=self.device)[None]
-        rotary = self.rotary(states[:1], positions)
-        outputs = []
-        for batch in states.split(BATCH):
-            mask = make_mask(
-                config=self.config, inputs_embeds=batch, attention_mask=None, cache=None, position_ids=positions
-            )
-            outputs.append(layer(batch, attention_mask=mask, position_ids=positions, position_embeddings=rotary))
-        return torch.cat(outputs)
+    def lm_head_weight(self):
+        name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        return self.source.tensor(name).to(self.device, torch.float32)
+
+
+class ModelLayers(DecoderLayers):
+    """A loaded model's own layers, on its device (callers keep it in eval mode without parameter gradients)."""
+
+    def __init__(self, model):
+        base = getattr(model, model.base_model_prefix, model)
+        self.model, self.base = model, base
+        from ..source_families.base import SOURCE_FAMILIES
+
+        layer_types = SOURCE_FAMILIES[model.config.model_type]().layer_types(model.config)
+        parameter = next(model.parameters())
+        self.dtype = parameter.dtype
+        self._setup(model.config, base.rotary_emb, layer_types, parameter.device)
+
+    def embed(self, input_ids) -> torch.Tensor:
+        with torch.no_grad():
+            return self.base.embed_tokens(torch.as_tensor(input_ids).to(self.device)).float().cpu()
+
+    def layer(self, layer_idx: int):
+        return self.base.layers[layer_idx]
+
+    def final_norm(self):
+        return self.base.norm
+
+    def lm_head_weight(self):
+        return self.model.get_output_embeddings().weight
+
+
+def decoder_layers(model, device=None) -> DecoderLayers:
+    """A `DenseSource`'s layers (on `device`, else CUDA when available), or a loaded model's (moved to `device` when
+    given)."""
+    if hasattr(model, "layer_names"):
+        return SourceLayers(model, torch.device(device or default_device()))
+    if device is not None:
+        model.to(device)
+    return ModelLayers(model)
 
 
 def _by_length(token_lists) -> dict[int, list[int]]:

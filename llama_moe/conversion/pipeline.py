@@ -88,6 +88,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
         device=run.device,
         batch_size=run.calibration_batch_size,
         progress=run.progress,
+        source=source,
     )
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory

@@ -5,19 +5,26 @@
     AttentionCalibration  per attention block: the normal equations of the attention-router fit (`attention_fit`)
     sequence embeddings   per calibration sequence: the mean final hidden state (to group the texts)
 
-`collect_calibration` records any of these in a single pass, with hooks; memory is bounded whatever the number of
-calibration tokens (running sums, and a fixed-size seeded sample of the MLP inputs).
+`collect_calibration` records any of these in a single pass, with hooks on one decoder layer at a time; memory is
+bounded whatever the number of calibration tokens (running sums, and a fixed-size seeded sample of the MLP inputs) and
+whatever the depth (one layer's weights, the sequences' states on the CPU).
 """
 
 import contextlib
+import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .routers.fit.attention_fit import AttentionCalibration, AttentionFitAccumulator
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CALIBRATION_SAMPLES = 8192  # MLP inputs kept per layer (`--calibration-samples`)
 # `token_groups(layer_idx, mlp_inputs [T, H]) -> group ids [T]`: buckets the importance of each token.
@@ -133,28 +140,6 @@ class _LayerAccumulator:
             handle.remove()
 
 
-class _EmbeddingAccumulator:
-    """Hook on the final norm: each sequence's mean final hidden state."""
-
-    def __init__(self, norm: torch.nn.Module):
-        self.rows: list[torch.Tensor] = []
-        self.handles = [norm.register_forward_hook(self._record)]
-
-    def _record(self, module, args, output):
-        self.rows.append(output.detach().float().mean(dim=1).cpu())
-
-    def result(self) -> torch.Tensor:
-        return torch.cat(self.rows)
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
-
-
-def _base_model(model):
-    return getattr(model, model.base_model_prefix, model)
-
-
 @contextlib.contextmanager
 def _frozen_eval(model):
     """The model in eval mode with parameters that need no gradient; restored afterwards."""
@@ -171,7 +156,7 @@ def _frozen_eval(model):
 
 
 def collect_calibration(
-    model,
+    model,  # a loaded dense model, or a `DenseSource` (its layers read one at a time)
     input_ids: torch.LongTensor,  # [B, S]
     layers=(),
     *,
@@ -186,8 +171,10 @@ def collect_calibration(
     device: torch.device | str | None = None,
     seed: int = 0,
     progress: bool = True,
+    offload_dir: str | None = None,
 ) -> CalibrationStatistics:
-    """One pass of a dense LLaMA model over the calibration sequences, recording in the same pass:
+    """The dense model over the calibration sequences, a decoder layer at a time (`layerwise.DecoderLayers`: one
+    layer in memory, the sequences' states on the CPU between layers), recording in the same pass:
 
     - for the MLPs of `layers`: `LayerCalibration` (input sample, mean activation); with `with_gradients`, the summed
       next-token loss is back-propagated (parameters get no gradients) and each token's |h * dL/dh| is added to its
@@ -197,69 +184,202 @@ def collect_calibration(
       normal equations;
     - with `sequence_embeddings`: each sequence's mean final hidden state.
 
-    The MLP input sample takes the same (seeded) token positions whatever the batch size. Runs on `device` (the model
-    is moved there), else on the model's device.
+    The gradient is that of the whole model's loss, taken layer by layer: a forward pass keeps each layer's input
+    (spilled to `offload_dir`, or a temporary folder, when they would not fit in a quarter of the free memory), then a
+    backward pass from the top reruns one layer at a time. The MLP input sample takes the same (seeded) token positions
+    whatever the batch size. A loaded model runs where it is (moved to `device` first when given); a source's layers
+    run on `device`, else CUDA when available.
     """
+    from .layerwise import decoder_layers
+
     if token_groups is not None and sequence_groups is not None:
         raise ValueError("Pass token_groups or sequence_groups, not both.")
-    if device is not None:
-        model.to(device)
-    device = next(model.parameters()).device
-    base = _base_model(model)
-    mlp = _mlp_accumulators(
-        base, layers, input_ids, sequence_groups, token_groups, num_groups, with_gradients, max_hidden_samples, seed
+    runner = decoder_layers(model, device)
+    accumulators = _MLPAccumulators(
+        runner.config,
+        layers,
+        input_ids,
+        sequence_groups,
+        token_groups,
+        num_groups,
+        with_gradients,
+        max_hidden_samples,
+        seed,
     )
-    attention = {i: AttentionFitAccumulator(base.layers[i].self_attn, e) for i, e in (attention_experts or {}).items()}
-    embeddings = _EmbeddingAccumulator(base.norm) if sequence_embeddings else None
-    accumulators = [*mlp.values(), *attention.values(), *([embeddings] if embeddings else [])]
-    try:
-        with _frozen_eval(model):
-            batches = range(0, input_ids.shape[0], batch_size)
-            for start in tqdm(batches, desc="Calibrating", unit="batch", disable=not progress):
-                batch = input_ids[start : start + batch_size].to(device)
-                for acc in mlp.values():
-                    acc.start_batch(start, batch.shape[0])
-                _forward(model, batch, with_gradients)
-    finally:
-        for acc in accumulators:
-            acc.remove()
-    return CalibrationStatistics(
-        mlp={i: acc.result() for i, acc in mlp.items()},
-        attention={i: acc.result() for i, acc in attention.items()},
-        sequence_embeddings=embeddings.result() if embeddings else None,
-    )
-
-
-def _mlp_accumulators(
-    base, layers, input_ids, sequence_groups, token_groups, num_groups, with_gradients, max_hidden_samples, seed
-) -> dict:
-    layers = sorted(set(layers))
-    bad = [i for i in layers if not 0 <= i < len(base.layers)]
-    if bad:
-        raise ValueError(f"Calibration layers {bad} are outside 0..{len(base.layers) - 1}.")
-    num_sequences, seq_len = input_ids.shape
-    if sequence_groups is not None:
-        sequence_groups = torch.as_tensor(sequence_groups, dtype=torch.long)
-        if sequence_groups.shape != (num_sequences,):
-            raise ValueError(f"sequence_groups must hold one group id per sequence ({num_sequences}).")
-    # Fixed token positions for the hidden-state sample: [n] sorted global indices.
-    generator = torch.Generator().manual_seed(seed)
-    sample = torch.randperm(num_sequences * seq_len, generator=generator)[:max_hidden_samples].sort().values
-    return {
-        i: _LayerAccumulator(
-            i, base.layers[i].mlp, num_groups, token_groups, sequence_groups, with_gradients, sample, seq_len
+    with _frozen_eval(runner.model) if runner.model is not None else contextlib.nullcontext():
+        pass_ = _Pass(runner, input_ids, batch_size, progress)
+        states, attention, inputs = pass_.forward(
+            None if with_gradients else accumulators,
+            attention_experts or {},
+            keep_inputs=with_gradients,
+            to_the_top=with_gradients or sequence_embeddings,
+            offload_dir=offload_dir,
         )
-        for i in layers
-    }
+        embeddings = pass_.sequence_embeddings(states) if sequence_embeddings else None
+        if with_gradients:
+            pass_.backward(accumulators, states, inputs)
+    return CalibrationStatistics(mlp=accumulators.results, attention=attention, sequence_embeddings=embeddings)
 
 
-def _forward(model, batch: torch.LongTensor, with_gradients: bool) -> None:
-    if not with_gradients:
-        with torch.no_grad():
-            _base_model(model)(input_ids=batch)  # the LM head is not needed
-        return
-    # Gradients flow from the loss back to every layer's h; a leaf embedding switches autograd on.
-    embeds = model.get_input_embeddings()(batch).detach().requires_grad_(True)
-    logits = model(inputs_embeds=embeds).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
-    loss.backward()
+class _MLPAccumulators:
+    """The `_LayerAccumulator` of each requested MLP, made when its layer runs, and their results by layer."""
+
+    def __init__(
+        self, config, layers, input_ids, sequence_groups, token_groups, num_groups, with_gradients, max_samples, seed
+    ):
+        self.layers = sorted(set(layers))
+        bad = [i for i in self.layers if not 0 <= i < config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"Calibration layers {bad} are outside 0..{config.num_hidden_layers - 1}.")
+        num_sequences, self.seq_len = input_ids.shape
+        if sequence_groups is not None:
+            sequence_groups = torch.as_tensor(sequence_groups, dtype=torch.long)
+            if sequence_groups.shape != (num_sequences,):
+                raise ValueError(f"sequence_groups must hold one group id per sequence ({num_sequences}).")
+        self.groups = (num_groups, token_groups, sequence_groups, with_gradients)
+        # Fixed token positions for the hidden-state sample: [n] sorted global indices.
+        generator = torch.Generator().manual_seed(seed)
+        self.sample = torch.randperm(num_sequences * self.seq_len, generator=generator)[:max_samples].sort().values
+        self.results: dict[int, LayerCalibration] = {}
+
+    def attach(self, layer_idx: int, layer) -> _LayerAccumulator | None:
+        if layer_idx not in self.layers:
+            return None
+        num_groups, token_groups, sequence_groups, with_gradients = self.groups
+        return _LayerAccumulator(
+            layer_idx, layer.mlp, num_groups, token_groups, sequence_groups, with_gradients, self.sample, self.seq_len
+        )
+
+    def done(self, accumulator: _LayerAccumulator | None) -> None:
+        if accumulator is not None:
+            accumulator.remove()
+            self.results[accumulator.layer_idx] = accumulator.result()
+
+
+class _LayerInputs:
+    """Each decoder layer's input `[B, S, H]` in a gradient pass: kept in memory, or in a folder of safetensors files
+    (`offload_dir`, else a temporary folder) when all of them would take more than a quarter of the free memory."""
+
+    def __init__(self, num_layers: int, states: torch.Tensor, offload_dir: str | None):
+        import psutil
+
+        size = num_layers * states.numel() * states.element_size()
+        spill = offload_dir is not None or size > psutil.virtual_memory().available // 4
+        self.folder = tempfile.TemporaryDirectory(prefix="calibration-", dir=offload_dir) if spill else None
+        if spill:
+            logger.info(
+                "Calibration: the %d layers' inputs (%.1f GB) go to %s.", num_layers, size / 1e9, self.folder.name
+            )
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def put(self, layer_idx: int, states: torch.Tensor) -> None:
+        if self.folder is None:
+            self.kept[layer_idx] = states
+        else:
+            save_file({"states": states.contiguous()}, Path(self.folder.name) / f"{layer_idx}.safetensors")
+
+    def pop(self, layer_idx: int) -> torch.Tensor:
+        if self.folder is None:
+            return self.kept.pop(layer_idx)
+        return load_file(Path(self.folder.name) / f"{layer_idx}.safetensors")["states"]
+
+    def close(self) -> None:
+        if self.folder is not None:
+            self.folder.cleanup()
+
+
+class _Pass:
+    """One calibration pass over `input_ids [B, S]`, `batch_size` sequences at a time, a layer at a time."""
+
+    def __init__(self, runner, input_ids: torch.Tensor, batch_size: int, progress: bool):
+        self.runner, self.input_ids, self.batch_size, self.progress = runner, input_ids, batch_size, progress
+        self.num_layers = runner.config.num_hidden_layers
+
+    def forward(self, mlp, attention_experts: dict, keep_inputs: bool, to_the_top: bool, offload_dir):
+        """(the states after the last layer run, the attention statistics, each layer's input when `keep_inputs`);
+        the layers above the last one anything needs are not run."""
+        needed = [*(mlp.layers if mlp else ()), *attention_experts]
+        last = self.num_layers - 1 if to_the_top else max(needed, default=-1)
+        states = self.runner.embed(self.input_ids)
+        inputs = _LayerInputs(last + 1, states, offload_dir) if keep_inputs else None
+        attention = {}
+        for layer_idx in tqdm(range(last + 1), desc="Calibrating", unit="layer", disable=not self.progress):
+            layer = self.runner.layer(layer_idx)
+            accumulator = mlp.attach(layer_idx, layer) if mlp else None
+            fit = None
+            if layer_idx in attention_experts:
+                fit = AttentionFitAccumulator(layer.self_attn, attention_experts[layer_idx])
+            if inputs is not None:
+                inputs.put(layer_idx, states)
+            try:
+                before = accumulator.start_batch if accumulator else None
+                with torch.no_grad():
+                    states = self.runner.run(layer, layer_idx, states, self.batch_size, before)
+            finally:
+                if mlp:
+                    mlp.done(accumulator)
+                if fit is not None:
+                    attention[layer_idx] = fit.result()
+                    fit.remove()
+            self.runner.release(layer)
+        return states, attention, inputs
+
+    def batches(self, *tensors):
+        """`(first sequence, batch of each tensor)` over the sequences."""
+        return zip(range(0, self.input_ids.shape[0], self.batch_size), *(t.split(self.batch_size) for t in tensors))
+
+    @torch.no_grad()
+    def sequence_embeddings(self, states: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` each sequence's mean final hidden state (after the final norm)."""
+        norm, device, dtype = self.runner.final_norm(), self.runner.device, self.runner.dtype
+        return torch.cat([norm(batch.to(device, dtype)).float().mean(dim=1).cpu() for _, batch in self.batches(states)])
+
+    def backward(self, mlp, states: torch.Tensor, inputs: _LayerInputs) -> None:
+        """The summed next-token loss back-propagated from the top, one layer rerun at a time, down to the lowest
+        layer whose MLP is recorded."""
+        try:
+            grads = self._loss_grads(states)
+            lowest = min(mlp.layers, default=self.num_layers)
+            steps = tqdm(
+                reversed(range(lowest, self.num_layers)),
+                total=self.num_layers - lowest,
+                desc="Calibrating (gradients)",
+                unit="layer",
+                disable=not self.progress,
+            )
+            for layer_idx in steps:
+                layer = self.runner.layer(layer_idx)
+                accumulator = mlp.attach(layer_idx, layer)
+                try:
+                    grads = self._layer_grads(layer, layer_idx, inputs.pop(layer_idx), grads, accumulator)
+                finally:
+                    mlp.done(accumulator)
+                self.runner.release(layer)
+        finally:
+            inputs.close()
+
+    def _loss_grads(self, states: torch.Tensor) -> torch.Tensor:
+        """`[B, S, H]` dL/dh of the final hidden states, L the summed next-token cross-entropy."""
+        norm, weight = self.runner.final_norm(), self.runner.lm_head_weight()
+        device, dtype = self.runner.device, self.runner.dtype
+        grads = []
+        for _, batch, ids in self.batches(states, self.input_ids):
+            hidden = batch.to(device, dtype).requires_grad_(True)
+            logits = F.linear(norm(hidden), weight.to(dtype))
+            targets = ids[:, 1:].flatten().to(device)
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, reduction="sum").backward()
+            grads.append(hidden.grad.to("cpu", torch.float32))
+        return torch.cat(grads)
+
+    def _layer_grads(self, layer, layer_idx: int, inputs, grads, accumulator) -> torch.Tensor:
+        """dL/d(the layer's input) from dL/d(its output), the layer rerun on its saved input batch by batch."""
+        device, dtype = self.runner.device, self.runner.dtype
+        below = []
+        for start, batch, grad in self.batches(inputs, grads):
+            if accumulator is not None:
+                accumulator.start_batch(start, batch.shape[0])
+            hidden = batch.to(device, dtype).requires_grad_(True)
+            output = self.runner.call(layer, layer_idx, hidden)
+            output.backward(grad.to(device, output.dtype))
+            below.append(hidden.grad.to("cpu", torch.float32))
+        return torch.cat(below)

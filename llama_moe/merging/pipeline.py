@@ -68,7 +68,12 @@ def gate_context(plan, source):
 
     merge, run = plan.merge, plan.run
     context = CalibrationContext(
-        plan.recipe, source.load_model, source.load_tokenizer, device=run.device, progress=run.progress
+        plan.recipe,
+        source.load_model,
+        source.load_tokenizer,
+        device=run.device,
+        progress=run.progress,
+        source=source.base,  # the statistics of the base model's layers, one at a time
     )
     context.expert_inputs = ExpertInputs(
         merge.experts,

@@ -193,6 +193,50 @@ def test_statistics_match_autograd_and_ignore_batch_size(tiny_model):
     assert torch.equal(runs[0][0].hidden_states, runs[1][0].hidden_states)  # same sampled positions
 
 
+def _every_statistic(dense, input_ids, **kwargs):
+    def parity(layer, x):
+        return (x[:, 0] > 0).long()
+
+    common = dict(max_hidden_samples=30, batch_size=4, progress=False, **kwargs)
+    gradients = collect_calibration(
+        dense, input_ids, [0, 1], with_gradients=True, token_groups=parity, num_groups=2, **common
+    )
+    forward = collect_calibration(
+        dense, input_ids, [0, 1], attention_experts={1: 2}, sequence_embeddings=True, **common
+    )
+    return gradients, forward
+
+
+def test_a_checkpoints_layers_read_one_at_a_time_give_the_loaded_models_statistics(tiny_dense, tmp_path, caplog):
+    """From the source's files (a layer read when it runs) or from the loaded model, in memory or with each layer's
+    input spilled to a folder (left empty afterwards): the same statistics."""
+    from llama_moe.checkpoints import open_source
+
+    folder, _, _ = tiny_dense
+    source = open_source(str(folder))
+    model = source.load_model(torch.float32, "cpu")
+    input_ids = torch.randint(0, 97, (6, 12), generator=torch.Generator().manual_seed(4))
+    expected = _every_statistic(model, input_ids)
+    spill = tmp_path / "offload"
+    spill.mkdir()
+    in_memory = _every_statistic(source, input_ids)
+    with caplog.at_level("INFO", logger="llama_moe.conversion.statistics"):
+        spilled = _every_statistic(source, input_ids, offload_dir=str(spill))
+    assert f"inputs (0.0 GB) go to {spill}" in caplog.text
+    for got in (in_memory, spilled):
+        for want, have in zip(expected, got):
+            for layer in want.mlp:
+                for name in ("hidden_states", "mean_activation", "importance", "group_counts"):
+                    a, b = getattr(want.mlp[layer], name), getattr(have.mlp[layer], name)
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(got[1].sequence_embeddings, expected[1].sequence_embeddings)
+        torch.testing.assert_close(got[1].attention[1].gram, expected[1].attention[1].gram)
+        torch.testing.assert_close(got[1].attention[1].cross, expected[1].attention[1].cross)
+    assert list(spill.iterdir()) == []
+
+
 def test_token_groups_and_hidden_samples(tiny_model):
     input_ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(2))
 

@@ -401,8 +401,8 @@ def test_converter_kmeans_router_and_dense_identity(tiny_dense, tiny_calibration
 
 def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_calibration, tmp_path, monkeypatch):
     """MLP experts clustered on activations with a selector and compensation, plus attention routers fitted on
-    calibration text: the dense model is loaded once and run once, then freed before the streaming write. (The check
-    after the write, off here, loads it once more: tests/conversion/test_convert.py.)"""
+    calibration text: one pass over the dense model's layers, read from the checkpoint one at a time; the whole model
+    is never loaded. (The check after the write, off here, loads it: tests/conversion/test_convert.py.)"""
     from llama_moe.checkpoints.folder import FolderSource
     from llama_moe.conversion import calibration
 
@@ -431,7 +431,7 @@ def test_one_load_and_one_pass_for_every_calibrated_component(tiny_dense, tiny_c
         progress=False,
         eval=False,
     )
-    assert len(loads) == 1 and len(passes) == 1
+    assert loads == [] and len(passes) == 1
     assert passes[0]["attention_experts"] == {0: 2, 1: 2} and not passes[0].get("with_gradients")
     model = load_moe(result.output_dir)
     assert model.config.router_type == "selector" and model.config.moe_compensation
