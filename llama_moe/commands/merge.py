@@ -39,7 +39,17 @@ def declared_flags(name: str, declaration, names, required=()) -> type:
 
 MERGE_SETTINGS = [f.name for f in dataclasses.fields(MergeConfig) if f.name not in FILE_ONLY]
 MergeFlags = declared_flags("MergeFlags", MergeConfig, MERGE_SETTINGS)  # each overrides the --config file's key
-RUN_SETTINGS = ("output", "overwrite", "device", "max_shard_size", "eval", "progress", "token", "allow_pickle")
+RUN_SETTINGS = (
+    "output",
+    "overwrite",
+    "device",
+    "offload_dir",
+    "max_shard_size",
+    "eval",
+    "progress",
+    "token",
+    "allow_pickle",
+)
 MergeRun = declared_flags("MergeRun", RunOptions, RUN_SETTINGS, required=("output",))
 
 

@@ -89,6 +89,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
         batch_size=run.calibration_batch_size,
         progress=run.progress,
         source=source,
+        offload_dir=run.offload_dir,
     )
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory

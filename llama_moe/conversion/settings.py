@@ -239,6 +239,13 @@ class RunOptions:
         default=None, metadata={"help": "device of the calibration passes (default: cuda if available, else cpu)"}
     )
     calibration_batch_size: int = dataclasses.field(default=4, metadata={"help": "sequences per calibration pass"})
+    offload_dir: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "folder where a gradient calibration pass keeps each layer's input states (default: memory, or a "
+            "temporary folder when they would take more than a quarter of the free memory)"
+        },
+    )
     save_split: str | None = dataclasses.field(
         default=None, metadata={"help": "write the calibrated split and routers to this .safetensors file"}
     )
@@ -276,6 +283,8 @@ class RunOptions:
         check_dtype(self.dtype)
         if self.calibration_batch_size < 1:
             raise ValueError(f"--calibration-batch-size must be at least 1, got {self.calibration_batch_size}.")
+        if self.offload_dir is not None and not Path(self.offload_dir).expanduser().is_dir():
+            raise ValueError(f"--offload-dir {self.offload_dir} is not a folder.")
 
 
 @dataclasses.dataclass(frozen=True)

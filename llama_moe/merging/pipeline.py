@@ -74,6 +74,7 @@ def gate_context(plan, source):
         device=run.device,
         progress=run.progress,
         source=source.base,  # the statistics of the base model's layers, one at a time
+        offload_dir=run.offload_dir,
     )
     context.expert_inputs = ExpertInputs(
         merge.experts,
