@@ -81,6 +81,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     check_not_source(output, source)
     source.check_complete()
     plan = ConversionPlan.create(recipe, source.config, run, resolved=resolved)
+    check_memory(plan, run)
     context = CalibrationContext(
         plan.recipe,
         source.load_model,
@@ -102,6 +103,18 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
 
         result.pushed = push_folder(output, run.repo_id, private=run.private, token=run.token, api=hub_api)
     return result
+
+
+def check_memory(plan, run: RunOptions) -> None:
+    """The memory forecast of each stage, logged before any weight is read; one ValueError where a stage will not
+    fit (`forecast.py`), unless `run.force`."""
+    from ..training.footprint import available_bytes
+    from .forecast import check_forecast, describe, forecast
+
+    available = available_bytes("cpu")
+    stages = forecast(plan, available)
+    logger.info(describe(stages, available))
+    check_forecast(stages, available, run.force)
 
 
 def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:

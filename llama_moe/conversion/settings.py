@@ -269,6 +269,9 @@ class RunOptions:
     push_to_hub: bool = dataclasses.field(default=False, metadata={"help": "upload the result to --repo-id"})
     private: bool = dataclasses.field(default=False, metadata={"help": "create the Hub repository as private"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
+    force: bool = dataclasses.field(
+        default=False, metadata={"help": "convert even where the memory forecast says a stage will not fit"}
+    )
     eval: bool = dataclasses.field(
         default=True,
         metadata={

@@ -433,6 +433,33 @@ def test_impossible_settings(workspace, kwargs, error, message):
         convert_to_moe(dense_path, out_root / "moe", progress=False, **kwargs)
 
 
+def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace, tiny_calibration, monkeypatch, caplog):
+    """The forecast is said first; a stage over the free memory stops the run in one line naming it and the flags
+    that lower it (nothing written, the source untouched); --force runs anyway."""
+    from llama_moe.checkpoints.folder import FolderSource
+    from llama_moe.training import footprint
+
+    dense_path, out_root = workspace
+    healed = dict(method="residual", num_experts=3, num_shared_experts=1, top_k=2, heal_tokens=64, joint_heal_tokens=64)
+    healed |= dict(calibration_data=str(tiny_calibration), calibration_tokens=128, calibration_seq_len=32)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
+    reads = []
+    monkeypatch.setattr(FolderSource, "tensor", lambda self, name: reads.append(name))
+    with caplog.at_level("INFO", logger="llama_moe.conversion.pipeline"):
+        with pytest.raises(
+            ValueError, match=r"^The joint heal stage needs about 1\.\d GiB and 0\.5 GiB is free: lower "
+        ):
+            convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
+    assert reads == []
+    assert "Memory forecast (GiB): calibration 1.0, layer heal 1.0, joint heal 1." in caplog.text
+    with pytest.raises(ValueError, match=r"--joint-heal-tokens 0 \(then the distillation recipe"):
+        convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
+    monkeypatch.undo()
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
+    result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, force=True, **healed)
+    shutil.rmtree(result.output_dir)  # the workspace must end empty
+
+
 def test_missing_source(workspace):
     _, out_root = workspace
     with pytest.raises(FileNotFoundError, match="does not exist"):
