@@ -318,6 +318,14 @@ class CalibrationContext:
             self._made[kind] = maker(self.model(), self._load_tokenizer(), self.progress, cache=cache_dir() / "chat")
         return self._made[kind]
 
+    def drop_statistics(self) -> None:
+        """Free what the passes recorded (the MLP input samples are the bulk) once the layers are written: what runs
+        after them (the joint stage) reads only the tokens."""
+        self.statistics = CalibrationStatistics()
+        self._attention.clear()
+        self._importance.clear()
+        self._centroids.clear()
+
     def release(self) -> None:
         """Drop the dense model (the statistics stay), so that the streaming write holds about one layer."""
         if not self._released:

@@ -13,7 +13,7 @@ N = calibration tokens, float32 compute):
     joint heal   `training.footprint.estimate_footprint` of the converted model trained whole with AdamW in float32
                  on batches of 4 calibration sequences, the dense model beside it as the teacher
 
-The MLP input samples stay in memory until the conversion ends, so the later stages count them too.
+The MLP input samples stay in memory until the layers are written, so the layer heal counts them too.
 
 The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` prints the
 forecast and stops with one line (exit 2) when a stage needs more than the free memory allows, naming the flags that
@@ -54,7 +54,7 @@ def forecast(plan, available: float) -> list[Stage]:
     if recipe.heal_tokens:
         stages.append(_layer_heal(plan, counts, overhead + samples))
     if recipe.joint_heal_tokens:
-        stages.append(_joint_heal(plan, counts, samples))
+        stages.append(_joint_heal(plan, counts))
     return stages
 
 
@@ -82,13 +82,13 @@ def _layer_heal(plan, counts, overhead: float) -> Stage:
     return Stage("layer heal", peak, "--heal-tokens")
 
 
-def _joint_heal(plan, counts, held: float) -> Stage:
+def _joint_heal(plan, counts) -> Stage:
     student = parameter_counts(plan.config, plan.meta_model)
     seq_len = plan.recipe.calibration_seq_len
     settings = RunSettings(batch=JOINT_BATCH, seq_len=seq_len, checkpointing=False)
     teacher = _teacher_bytes(plan.dense_config, counts.total, FP32, JOINT_BATCH * seq_len)
     total = estimate_footprint(student, student.total, plan.config, settings, teacher, "cpu").total  # overhead in
-    return Stage("joint heal", total + held, "--joint-heal-tokens 0 (then the distillation recipe, docs/training.md)")
+    return Stage("joint heal", total, "--joint-heal-tokens 0 (then the distillation recipe, docs/training.md)")
 
 
 def describe(stages: list[Stage], available: float) -> str:

@@ -145,6 +145,7 @@ def _write(plan, source, context, output: Path, card_sections=None) -> Conversio
     run = plan.run
     with atomic_folder(output) as tmp:
         total, active = write_checkpoint(plan, source, context, tmp)
+        context.drop_statistics()
         if plan.recipe.joint_heal_tokens:
             heal_written_jointly(plan, source, context, tmp)
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
