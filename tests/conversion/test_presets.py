@@ -8,6 +8,7 @@ import yaml
 
 from llama_moe.commands import build_parser, main
 from llama_moe.commands.convert import expand_preset, recipe_and_run
+from llama_moe.conversion.layer_patterns import parse_moe_layers
 from llama_moe.conversion.recipe import BEST_PRESET, load_recipe, preset_names, preset_path, sparsity_presets
 
 RECIPES = Path(__file__).parents[2] / "recipes" / "convert"
@@ -84,11 +85,12 @@ def test_the_best_preset_converts_with_its_settings(tiny_dense, tiny_calibration
 
 @pytest.mark.parametrize("name", sparsity_presets())
 def test_a_sparsity_preset_keeps_its_share_of_the_ffn_active(name):
-    """`sparse-N`: N% of the FFN neurons active per token, shared experts counted, and every layer converted."""
+    """`sparse-N`: N% of the FFN neurons active per token in the MoE layers, shared experts counted, and every layer
+    converted but the first (kept dense: docs/quality.md, "The levers")."""
     recipe, _ = load_recipe(preset_path(name))
     share = (recipe.top_k + recipe.num_shared_experts) / (recipe.num_experts + recipe.num_shared_experts)
     assert share == int(name.removeprefix("sparse-")) / 100
-    assert recipe.moe_layers is None and recipe.heal_tokens > 0
+    assert parse_moe_layers(recipe.moe_layers, 30) == list(range(1, 30)) and recipe.heal_tokens > 0
 
 
 def test_help_gives_each_preset_its_latest_measured_figures(tmp_path, monkeypatch, capsys):
