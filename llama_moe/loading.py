@@ -84,8 +84,7 @@ def cpu_dtype(folder: Path) -> str:
 def parameter_counts(model) -> tuple[int, int]:
     """(total, active per token) parameters of a loaded model: our families count active experts exactly, any other
     model is dense (all parameters active)."""
-    from .conversion.pipeline import count_parameters
-    from .conversion.registry import FAMILIES
+    from .conversion.registry import FAMILIES, count_parameters
 
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if model.config.model_type in FAMILIES:

@@ -1,7 +1,7 @@
 """The memory forecast `llama-moe convert` prints against the peak it then reaches.
 
-Runs `llama-moe convert ARGS` in a child process, reads the forecast line from its log ("Memory forecast (GiB):
-text a, calibration b, ...") and puts its largest stage beside the child's peak resident memory (getrusage's
+Runs `llama-moe convert ARGS` in a child process, reads the forecast the output recorded (`conversion_info`'s
+`memory_forecast_gib`: each stage's peak) and puts its largest stage beside the child's peak resident memory (getrusage's
 `ru_maxrss` of the child); `--record` appends the row to `benchmarks/results/forecast.jsonl`. `--force` is added to
 the command, so a forecast over the free memory is measured too.
 
@@ -10,7 +10,7 @@ the command, so a forecast over the free memory is measured too.
 """
 
 import argparse
-import re
+import json
 import resource
 import shutil
 import subprocess
@@ -23,16 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import record
 
 GIB = 1024**3
-FORECAST = re.compile(r"Memory forecast \(GiB\): (.*); free ([\d.]+)\.")
 
 
-def stages(log: str) -> dict[str, float]:
-    """`{stage: GiB}` of the forecast line in `log`."""
-    found = FORECAST.search(log)
-    if found is None:
-        raise SystemExit("The conversion printed no memory forecast (was it refused before planning?).")
-    parts = (part.rsplit(" ", 1) for part in found.group(1).split(", "))
-    return {name: float(value) for name, value in parts}
+def stages(output: str) -> dict[str, float]:
+    """`{stage: GiB}` the conversion written to `output` forecast."""
+    config = json.loads((Path(output) / "config.json").read_text())
+    return config["conversion_info"]["memory_forecast_gib"]
 
 
 def main():
@@ -50,7 +46,7 @@ def main():
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"llama-moe convert failed (exit {done.returncode}).")
-    forecast = stages(done.stdout + done.stderr)
+    forecast = stages(convert_args[convert_args.index("--output") + 1])
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB  # kB on Linux
     largest = max(forecast.values())
     label = args.label or " ".join(convert_args)

@@ -3,7 +3,7 @@
     python benchmarks/memory/memory_table.py > table.md
 
 Computed, not measured: parameter counts come from each model's shapes on the meta device (no download, no GPU)
-and memory from `llama_moe.training.footprint.estimate_memory` (its comment lists the bytes per parameter of every
+and memory from `llama_moe.footprint.estimate_memory` (its comment lists the bytes per parameter of every
 strategy).
 Model states only (weights, gradients, AdamW states, all-gathered working set): activations are NOT included; each
 model's heading gives a rough activation estimate per 1k tokens with gradient checkpointing. A GPU-size cell is
@@ -24,7 +24,7 @@ from benchmarks.memory.model_memory import (
     llama3_8b_config,
     smollm2_135m_config,
 )
-from llama_moe.training.footprint import GIB, STRATEGIES, estimate_memory, moe_config, parameter_counts
+from llama_moe.footprint import GIB, STRATEGIES, estimate_memory, moe_config, parameter_counts
 
 GPU_SIZES_GIB = (24, 40, 80, 141)
 GPU_COUNTS = (1, 8, 16)

@@ -1,11 +1,11 @@
-"""What the memory benchmarks need beyond the training preflight's own estimate (`llama_moe.training.footprint`:
+"""What the memory benchmarks need beyond the training preflight's own estimate (`llama_moe.footprint`:
 parameter counts, `estimate_memory` per strategy, whose comment lists the bytes per parameter of each): the strategies'
 display names, a rough activation estimate per token, and the configs of published dense models.
 
 Used by `memory_table.py` and the memory-model tests; needs no download.
 """
 
-from llama_moe.training.footprint import BF16, FP32
+from llama_moe.footprint import BF16, FP32
 
 STRATEGY_NAMES = {"ddp": "DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
 

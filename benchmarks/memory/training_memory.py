@@ -1,4 +1,4 @@
-"""The training recipes' memory estimate (llama_moe/training/footprint.py) against the peak they really reach.
+"""The training recipes' memory estimate (llama_moe/footprint.py) against the peak they really reach.
 
     llama-moe convert --output outputs/smollm2-moe --method upcycle --num-experts 8 --top-k 2 --dtype bfloat16
     llama-moe offline-data --output data/offline
@@ -54,8 +54,8 @@ class Estimated(Exception):
 
 def estimate(argv: list[str]) -> float:
     """GiB: the estimate the recipe `argv[0]` makes in its preflight for the arguments `argv[1:]`."""
+    from llama_moe.footprint import GIB
     from llama_moe.training import memory_check
-    from llama_moe.training.footprint import GIB
 
     def stop(*args, **kwargs):
         raise Estimated(memory_check.estimate_run(*args, **kwargs)[0].total / GIB)

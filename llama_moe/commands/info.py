@@ -22,8 +22,7 @@ def info_lines(folder, download=None) -> list[str]:
     from llama_moe_hf.modeling import MODEL_FAMILIES  # noqa: F401  (registers the families: no remote code is run)
 
     from ..checkpoints.writer import read_shapes
-    from ..conversion.pipeline import count_parameters
-    from ..conversion.registry import FAMILIES
+    from ..conversion.registry import FAMILIES, count_parameters
     from ..hub.upgrade import code_status
     from ..loading import model_folder
 

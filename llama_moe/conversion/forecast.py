@@ -22,8 +22,8 @@ would fit; `--force` runs anyway.
 
 import dataclasses
 
-from ..training.footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
-from ..training.footprint import teacher_bytes as _teacher_bytes
+from ..footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
+from ..footprint import teacher_bytes as _teacher_bytes
 from .calibration import SELF_MADE
 
 FP32 = 4

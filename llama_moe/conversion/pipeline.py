@@ -18,7 +18,7 @@ from pathlib import Path
 from ..devices import default_device
 from ..preflight import check_writable
 from .recipe import RECIPE_FILE, MoERecipe, save_recipe
-from .registry import FAMILIES
+from .registry import count_parameters
 from .settings import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -35,19 +35,6 @@ class ConversionResult:
     recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
     pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
     quality: object | None = None  # `quick_check.QuickCheck`: what it kept of the dense model (`eval`)
-
-
-def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
-    """(total, active per token) parameters of a checkpoint, exactly from its tensor shapes."""
-    import math
-
-    family = FAMILIES[config.model_type]
-    total = active = 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        total += numel
-        active += family.active_parameters(config, name, numel)
-    return total, active
 
 
 def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, card_sections=None) -> ConversionResult:
@@ -106,15 +93,17 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
 
 
 def check_memory(plan, run: RunOptions) -> None:
-    """The memory forecast of each stage, logged before any weight is read; one ValueError where a stage will not
-    fit (`forecast.py`), unless `run.force`."""
-    from ..training.footprint import available_bytes
+    """The memory forecast of each stage (`forecast.py`), before any weight is read: one ValueError where a stage will
+    not fit, unless `run.force`; logged where a stage needs over half the free memory; kept in `conversion_info`."""
+    from ..footprint import available_bytes
     from .forecast import check_forecast, describe, forecast
 
     available = available_bytes("cpu")
     stages = forecast(plan, available)
-    logger.info(describe(stages, available))
     check_forecast(stages, available, run.force)
+    large = max(stage.peak for stage in stages) > available / 2
+    logger.log(logging.INFO if large else logging.DEBUG, describe(stages, available))
+    plan.forecast = {stage.name: round(stage.peak / 2**30, 2) for stage in stages}
 
 
 def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:

@@ -215,6 +215,7 @@ class ConversionPlan:
     meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
     asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
+    forecast: dict | None = None  # stage -> forecast peak GiB (`forecast.py`), recorded in `conversion_info`
 
     @classmethod
     def create(
@@ -361,6 +362,8 @@ class ConversionPlan:
             info.update(router.info())
         if self.healer is not None:
             info.update(self.healer.info())
+        if self.forecast is not None:
+            info["memory_forecast_gib"] = self.forecast
         return info
 
 

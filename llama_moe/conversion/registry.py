@@ -37,3 +37,16 @@ def option_owner(option: str) -> tuple[Registry, str] | None:
             if option in option_names(component):
                 return registry, name
     return None
+
+
+def count_parameters(config, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(total, active per token) parameters of a checkpoint, exactly from its tensor shapes."""
+    import math
+
+    family = FAMILIES[config.model_type]
+    total = active = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        total += numel
+        active += family.active_parameters(config, name, numel)
+    return total, active

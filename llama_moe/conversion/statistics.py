@@ -184,12 +184,8 @@ def collect_calibration(
       normal equations;
     - with `sequence_embeddings`: each sequence's mean final hidden state.
 
-    The gradient is that of the whole model's loss, taken layer by layer: a forward pass keeps each layer's input
-    (spilled to `offload_dir`, or a temporary folder, when they would not fit in a quarter of the free memory), then a
-    backward pass from the top reruns one layer at a time. The MLP input sample takes the same (seeded) token positions
-    whatever the batch size. A loaded model runs where it is (moved to `device` first when given); a source's layers
-    run on `device`, else CUDA when available.
-    """
+    Gradients: a forward pass keeps each layer's input (`_LayerInputs`), a backward pass reruns one layer at a time;
+    the sample's token positions are seeded; a source's layers run on `device`, else CUDA when available."""
     from .layerwise import decoder_layers
 
     if token_groups is not None and sequence_groups is not None:

@@ -151,7 +151,8 @@ def write(plan, moe, added, context, folder: Path) -> ConversionResult:
     import shutil
 
     from ..checkpoints.writer import SAFE_INDEX, ShardedWriter
-    from ..conversion.pipeline import count_parameters, quality_check
+    from ..conversion.pipeline import quality_check
+    from ..conversion.registry import count_parameters
     from .card import write_merge_card
 
     run, source = plan.run, plan.source

@@ -9,7 +9,7 @@ import logging
 import os
 from pathlib import Path
 
-from .footprint import (
+from ..footprint import (
     GIB,
     HEADROOM,
     RunSettings,
@@ -121,7 +121,7 @@ def _flags(flags: dict) -> list[str]:
 def estimate_run(config, values, seq_len: int, teacher=None):
     """(the run's `Footprint`, the free bytes it may use, its settings, a function estimating other settings).
     `teacher` is (its config, bytes per parameter)."""
-    from .footprint import meta_model, parameter_counts
+    from ..footprint import meta_model, parameter_counts
 
     model = meta_model(config)
     counts, trainable = parameter_counts(config, model), trainable_parameters(model, values)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainingArguments
 
+from ..footprint import FORCE_HELP
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import HIDDEN_LOSSES, DistillationMixin, Distiller, checked_teacher, load_teacher, teacher_name
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
-from .footprint import FORCE_HELP
 from .freezing import train_moe_only, train_routers_only
 from .memory_check import check_recipe_memory
 from .mixture import (

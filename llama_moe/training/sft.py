@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..footprint import FORCE_HELP
 from .checkpoint import TrainingOutcome, save_complete_checkpoint, stage_record, unwrapped
 from .distill import check_teacher, load_teacher, resolve_teacher, teacher_name
-from .footprint import FORCE_HELP
 from .freezing import freeze_routers
 from .lora import ADAPTER_FOLDER, is_peft_model, lora_config, save_adapter_and_merge
 from .memory_check import check_recipe_memory

@@ -27,6 +27,7 @@ from llama_moe_hf.modeling.modeling_soap_moe import expert_utilization
 
 from ..checkpoints.atomic import atomic_file, atomic_folder
 from ..conversion.build import build_moe
+from ..footprint import FORCE_HELP, moe_config
 from ..preflight import check_training
 from ..similarity.options import BatchSimilarOptions
 from ..similarity.pipeline import SimilarityOrder, load_tokenizer
@@ -34,7 +35,6 @@ from ..text.documents import load_texts
 from ..text.tokens import document_tokens, pack
 from .checkpoint import save_complete_checkpoint, stage_record
 from .distributed import BalanceLossWeightMixin, DistributedTrainingMixin, start_deepspeed_comm
-from .footprint import FORCE_HELP, moe_config
 from .memory_check import check_recipe_memory
 from .resume import (
     LATEST,

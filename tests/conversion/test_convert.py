@@ -434,10 +434,10 @@ def test_impossible_settings(workspace, kwargs, error, message):
 
 
 def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace, tiny_calibration, monkeypatch, caplog):
-    """The forecast is said first; a stage over the free memory stops the run in one line naming it and the flags
-    that lower it (nothing written, the source untouched); --force runs anyway."""
+    """A stage over the free memory stops the run in one line naming it and the flags that lower it (nothing read or
+    written, the source untouched); --force runs anyway, says the forecast and records it in the config."""
+    from llama_moe import footprint
     from llama_moe.checkpoints.folder import FolderSource
-    from llama_moe.training import footprint
 
     dense_path, out_root = workspace
     healed = dict(method="residual", num_experts=3, num_shared_experts=1, top_k=2, heal_tokens=64, joint_heal_tokens=64)
@@ -445,18 +445,18 @@ def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace,
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
     reads = []
     monkeypatch.setattr(FolderSource, "tensor", lambda self, name: reads.append(name))
-    with caplog.at_level("INFO", logger="llama_moe.conversion.pipeline"):
-        with pytest.raises(
-            ValueError, match=r"^The joint heal stage needs about 1\.\d GiB and 0\.5 GiB is free: lower "
-        ):
-            convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
+    with pytest.raises(ValueError, match=r"^The joint heal stage needs about 1\.\d GiB and 0\.5 GiB is free: lower "):
+        convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
     assert reads == []
-    assert "Memory forecast (GiB): calibration 1.0, layer heal 1.0, joint heal 1." in caplog.text
     with pytest.raises(ValueError, match=r"--joint-heal-tokens 0 \(then the distillation recipe"):
         convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
     monkeypatch.undo()
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
-    result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, force=True, **healed)
+    with caplog.at_level("INFO", logger="llama_moe.conversion.pipeline"):
+        result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, force=True, **healed)
+    assert "Memory forecast (GiB): calibration 1.0, layer heal 1.0, joint heal 1." in caplog.text
+    recorded = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]["memory_forecast_gib"]
+    assert set(recorded) == {"calibration", "layer heal", "joint heal"}
     shutil.rmtree(result.output_dir)  # the workspace must end empty
 
 

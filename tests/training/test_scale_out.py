@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import SCALE_OUT_FAMILIES, scale_out_model
 
-from llama_moe.training.footprint import STRATEGIES, ParameterCounts, estimate_memory, moe_config, parameter_counts
+from llama_moe.footprint import STRATEGIES, ParameterCounts, estimate_memory, moe_config, parameter_counts
 
 REPO = Path(__file__).parents[2]
 sys.path.insert(0, str(REPO))  # `benchmarks`: the published configs and the memory table

@@ -1,4 +1,4 @@
-"""The training recipes' memory preflight (llama_moe/training/footprint.py, memory_check.py): the estimate adds up
+"""The training recipes' memory preflight (llama_moe/footprint.py, memory_check.py): the estimate adds up
 its parts as documented, a run that will not fit is refused in one line naming flags that fit (before any model
 loads), `--force true` runs anyway; and the recipes' checkpoint settings (`--save_steps` with `save_strategy: no`,
 tied weights on resume). How close the estimate is to measured peaks: benchmarks/memory/training_memory.py."""
@@ -14,9 +14,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Trainer, Tra
 from transformers.testing_utils import CaptureLogger
 
 import llama_moe_hf  # noqa: F401  (registers the families)
-from llama_moe.parsing import Parser
-from llama_moe.training import memory_check
-from llama_moe.training.footprint import (
+from llama_moe.footprint import (
     GIB,
     RunSettings,
     activation_bytes,
@@ -24,6 +22,8 @@ from llama_moe.training.footprint import (
     moe_config,
     parameter_counts,
 )
+from llama_moe.parsing import Parser
+from llama_moe.training import memory_check
 from llama_moe.training.resume import ResumableCheckpointsMixin, real_missing_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks`

@@ -130,8 +130,7 @@ def meta_model(config):
 def parameter_counts(config, model=None) -> ParameterCounts:
     """Total and active parameters of a dense LLaMA config or any of this package's MoE configs, exactly, from the
     parameter shapes of a meta-device model (`model`, or one built; tied weights counted once)."""
-    from ..conversion.pipeline import count_parameters
-    from ..conversion.registry import FAMILIES
+    from .conversion.registry import FAMILIES, count_parameters
 
     model = model if model is not None else meta_model(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -149,8 +148,8 @@ def parameter_counts(config, model=None) -> ParameterCounts:
 def moe_config(dense_config, **recipe_fields):
     """The MoE config a conversion of `dense_config` would write (e.g. `method="upcycle", num_experts=8,
     top_k=2`), resolved by the conversion's own planner: no weights are read."""
-    from ..conversion.plan import ConversionPlan
-    from ..conversion.recipe import MoERecipe
+    from .conversion.plan import ConversionPlan
+    from .conversion.recipe import MoERecipe
 
     return ConversionPlan.create(MoERecipe.from_dict(recipe_fields), dense_config).config
 
