@@ -8,6 +8,8 @@ at the input of each layer (`layer_input_states`: the `hidden` and `expert_data`
 so `h_i` is transformers' `output_hidden_states[i]` of the whole model, for every i below `num_hidden_layers`.
 """
 
+import inspect
+
 import torch
 
 from ..devices import default_device
@@ -95,8 +97,10 @@ class DecoderLayers:
         make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
         positions = torch.arange(batch.shape[1], device=self.device)[None]
         rotary = self.rotary(batch[:1], positions)
+        # no cache: named `cache` from transformers 5.24, `past_key_values` before
+        no_cache = {"cache" if "cache" in inspect.signature(make_mask).parameters else "past_key_values": None}
         mask = make_mask(
-            config=self.config, inputs_embeds=batch, attention_mask=None, cache=None, position_ids=positions
+            config=self.config, inputs_embeds=batch, attention_mask=None, position_ids=positions, **no_cache
         )
         return layer(batch, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
 
