@@ -8,6 +8,7 @@ at the input of each layer (`layer_input_states`: the `hidden` and `expert_data`
 so `h_i` is transformers' `output_hidden_states[i]` of the whole model, for every i below `num_hidden_layers`.
 """
 
+import functools
 import inspect
 
 import torch
@@ -97,10 +98,8 @@ class DecoderLayers:
         make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
         positions = torch.arange(batch.shape[1], device=self.device)[None]
         rotary = self.rotary(batch[:1], positions)
-        # no cache: named `cache` from transformers 5.24, `past_key_values` before
-        no_cache = {"cache" if "cache" in inspect.signature(make_mask).parameters else "past_key_values": None}
         mask = make_mask(
-            config=self.config, inputs_embeds=batch, attention_mask=None, position_ids=positions, **no_cache
+            config=self.config, inputs_embeds=batch, attention_mask=None, position_ids=positions, **_no_cache()
         )
         return layer(batch, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
 
@@ -175,6 +174,14 @@ class ModelLayers(DecoderLayers):
 
     def lm_head_weight(self):
         return self.model.get_output_embeddings().weight
+
+
+@functools.cache
+def _no_cache() -> dict:
+    """The masks' no-cache argument: named `cache` from transformers 5.24, `past_key_values` before."""
+    from transformers.masking_utils import create_causal_mask
+
+    return {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
 
 
 def decoder_layers(model, device=None) -> DecoderLayers:
