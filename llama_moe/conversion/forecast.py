@@ -10,14 +10,14 @@ N = calibration tokens, float32 compute):
                  samples (samples x H x 4 per MoE layer)
     layer heal   the dense and the MoE layer x 4, the MoE block's AdamW state and gradient x 12, the healing states
                  (heal tokens x H x 4, five of them: input, attended, target, output and the dense stream)
-    joint heal   `training.footprint.estimate_footprint` of the converted model trained whole with AdamW in float32
+    joint heal   `footprint.estimate_footprint` of the converted model trained whole with AdamW in float32
                  on batches of 4 calibration sequences, the dense model beside it as the teacher
 
 The MLP input samples stay in memory until the layers are written, so the layer heal counts them too.
 
-The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` prints the
-forecast and stops with one line (exit 2) when a stage needs more than the free memory allows, naming the flags that
-would fit; `--force` runs anyway.
+The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` stops with one
+line (exit 2) when a stage needs more than the free memory allows, naming the flags that would fit (`--force` runs
+anyway), logs the forecast where a stage needs over half the free memory, and records it in `conversion_info`.
 """
 
 import dataclasses
@@ -25,11 +25,12 @@ import dataclasses
 from ..footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
 from ..footprint import teacher_bytes as _teacher_bytes
 from .calibration import SELF_MADE
+from .healing.joint import BATCH_SEQUENCES as JOINT_BATCH
+from .statistics import IN_MEMORY_SHARE
 
 FP32 = 4
 HEAL_STATES = 5  # [tokens, H] float32 tensors the layer healer holds at once
 LOGIT_BYTES = 12  # float32 logits, their log-softmax and gradient, per vocabulary entry
-JOINT_BATCH = 4  # `healing.joint.BATCH_SEQUENCES`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +71,8 @@ def _calibration(plan, counts, available: float, overhead: float) -> Stage:
     hidden, layers = dense.hidden_size, dense.num_hidden_layers
     states = r.calibration_tokens * hidden * FP32
     kept = layers * states
-    kept = kept if kept <= available / 4 else 0.0  # spilled to disk beyond that
-    logits = 4 * r.calibration_seq_len * dense.vocab_size * LOGIT_BYTES  # the default calibration batch of 4
+    kept = kept if kept <= available * IN_MEMORY_SHARE else 0.0  # spilled to disk beyond that
+    logits = plan.run.calibration_batch_size * r.calibration_seq_len * dense.vocab_size * LOGIT_BYTES
     peak = overhead + FP32 * counts.largest_layer + 3 * states + kept + logits
     return Stage("calibration", peak, "--calibration-tokens, --calibration-samples, --offload-dir")
 

@@ -95,7 +95,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
 def check_memory(plan, run: RunOptions) -> None:
     """The memory forecast of each stage (`forecast.py`), before any weight is read: one ValueError where a stage will
     not fit, unless `run.force`; logged where a stage needs over half the free memory; kept in `conversion_info`."""
-    from ..footprint import available_bytes
+    from ..footprint import GIB, available_bytes
     from .forecast import check_forecast, describe, forecast
 
     available = available_bytes("cpu")
@@ -103,7 +103,7 @@ def check_memory(plan, run: RunOptions) -> None:
     check_forecast(stages, available, run.force)
     large = max(stage.peak for stage in stages) > available / 2
     logger.log(logging.INFO if large else logging.DEBUG, describe(stages, available))
-    plan.forecast = {stage.name: round(stage.peak / 2**30, 2) for stage in stages}
+    plan.forecast = {stage.name: round(stage.peak / GIB, 2) for stage in stages}
 
 
 def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:

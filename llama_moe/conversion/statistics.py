@@ -26,6 +26,7 @@ from .routers.fit.attention_fit import AttentionCalibration, AttentionFitAccumul
 
 logger = logging.getLogger(__name__)
 
+IN_MEMORY_SHARE = 0.25  # of the free memory a gradient pass's kept layer inputs may take; beyond, they spill
 DEFAULT_CALIBRATION_SAMPLES = 8192  # MLP inputs kept per layer (`--calibration-samples`)
 # `token_groups(layer_idx, mlp_inputs [T, H]) -> group ids [T]`: buckets the importance of each token.
 TokenGroups = Callable[[int, torch.Tensor], torch.Tensor]
@@ -260,7 +261,7 @@ class _LayerInputs:
         import psutil
 
         size = num_layers * states.numel() * states.element_size()
-        spill = offload_dir is not None or size > psutil.virtual_memory().available // 4
+        spill = offload_dir is not None or size > psutil.virtual_memory().available * IN_MEMORY_SHARE
         self.folder = tempfile.TemporaryDirectory(prefix="calibration-", dir=offload_dir) if spill else None
         if spill:
             logger.info(
