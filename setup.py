@@ -37,7 +37,6 @@ setup(
         "accelerate>=1.15",
         "gguf>=0.19",
         "tqdm",
-        "psutil",  # the free memory, for calibration's in-memory or on-disk layer inputs
         "pyyaml",
         "numpy",
         "packaging",  # the model configs' version checks (transformers needs it too)

@@ -7,6 +7,7 @@ CalibrationContext   one per conversion: reads the calibration text (`text`), lo
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,6 +132,7 @@ class CalibrationContext:
         self._centroids: dict[tuple[int, int], torch.Tensor] = {}  # (layer, experts) -> [E, H]
         self._made: dict = {}  # kind -> `text.chat.SelfMade`, for the data the dense model makes (`SELF_MADE`)
         self._text_made = False  # all of it made, as much as the conversion reads
+        self.text_seconds = 0.0  # spent making it (the dense model loaded and generating), a stage of its own
 
     def serves(self, recipe) -> bool:
         """Whether this context's statistics are those `recipe`'s calibration settings give (to share it)."""
@@ -268,7 +270,9 @@ class CalibrationContext:
         if self._load_tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer; pass one (or calibration token ids).")
         if r.calibration_data in SELF_MADE:
+            start = time.perf_counter()
             texts, self.data_description = self._self_made_texts(num_tokens)
+            self.text_seconds += time.perf_counter() - start
         else:
             texts, self.data_description = load_texts(
                 r.calibration_data,

@@ -15,18 +15,49 @@ N = calibration tokens, float32 compute):
 
 The MLP input samples stay in memory until the layers are written, so the layer heal counts them too.
 
+What each stage computes (float32 FLOPs; F = a dense decoder layer's forward per token, 2 x its parameters + 2 x S x H
+for causal attention; A = an MoE MLP's active parameters; E = heal epochs; T = heal tokens; J = joint heal tokens):
+
+    calibration  N x L x F for the statistics pass; each method that back-propagates (`gradient_pass`) adds a pass
+                 keeping the layer inputs and one back down, 3 x N x L x F, and the loss's gradient, 4 x N x H x V
+    layer heal   T x L x F for the states and targets (twice under `heal_target: stream`), and per MoE layer T x A x (6 E + 3): E passes of Adam's
+                 forward and backward, the error before and after, the outputs
+    joint heal   J x (6 x the student's active parameters + 2 x the dense model's): forward and backward of the
+                 student, forward of the teacher
+
+A stage's expected time is its FLOPs over the machine's float32 matmul rate (`matmul_rate`: a product of the
+model's MLP shape timed for a quarter of a second on the compute device), divided by the share of that rate the
+stage's code reaches (`EFFICIENCY`, measured on SmolLM2-135M and checked on a 1.2B shape: docs/benchmarks.md).
+
+What each stage holds on disk at its peak (bytes), checked against the free space where it writes:
+
+    calibration  the kept layer inputs where they spill (`--offload-dir`, else the temporary folder)
+    write        the output's weights in the output dtype (a stage of its own only when nothing heals)
+    layer heal   the output, and beside it the healing progress kept for a resume: each layer's healed MLP in
+                 float32 and the heal states after it (`.NAME.healing`)
+    joint heal   the output twice (the healed weights are written beside the old ones, then moved over them) and the
+                 healing progress
+
 The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` stops with one
-line (exit 2) when a stage needs more than the free memory allows, naming the flags that would fit (`--force` runs
-anyway), logs the forecast where a stage needs over half the free memory, and records it in `conversion_info`.
+line (exit 2) when a stage needs more than the free memory or disk allows, naming the flags that would fit (`--force`
+runs anyway), logs the forecast where a stage needs over half the free memory, and records it in `conversion_info`.
 """
 
 import dataclasses
+import functools
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
 from ..footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
 from ..footprint import teacher_bytes as _teacher_bytes
 from .calibration import SELF_MADE
 from .healing.joint import BATCH_SEQUENCES as JOINT_BATCH
+from .registry import count_parameters
 from .statistics import IN_MEMORY_SHARE
+from .target import MLP
 
 FP32 = 4
 HEAL_STATES = 5  # [tokens, H] float32 tensors the layer healer holds at once
@@ -38,11 +69,14 @@ class Stage:
     name: str
     peak: float  # bytes, the process overhead included
     remedy: str  # the flags that lower it
+    disk: float = 0.0  # bytes the stage holds on disk at its peak
+    folder: Path | None = None  # where it writes them
+    flops: float = 0.0  # float32 FLOPs of its compute (0: not forecast)
 
 
-def forecast(plan, available: float) -> list[Stage]:
-    """The stages `plan`'s conversion runs, each with its peak; `available`: the free memory, which decides whether
-    a gradient pass's layer inputs stay in memory."""
+def forecast(plan, available: float, dtype_bytes: int) -> list[Stage]:
+    """The stages `plan`'s conversion runs, each with its peak memory and disk; `available`: the free memory, which
+    decides whether a gradient pass's layer inputs stay in memory; `dtype_bytes`: the output's bytes per weight."""
     recipe, dense = plan.recipe, plan.dense_config
     counts = parameter_counts(dense)
     overhead = OVERHEAD["cpu"]
@@ -52,10 +86,17 @@ def forecast(plan, available: float) -> list[Stage]:
         stages.append(Stage("text", overhead + FP32 * counts.total, "--calibration-data FILE (text of your own)"))
     samples = _samples(plan)
     stages.append(_calibration(plan, counts, available, overhead + samples))
+    output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
+    folder = Path(plan.run.output).expanduser().resolve().parent if plan.run.output else None
     if recipe.heal_tokens:
-        stages.append(_layer_heal(plan, counts, overhead + samples))
+        progress = _healing_progress(plan)
+        stages.append(_layer_heal(plan, counts, overhead + samples, output + progress, folder))
+    else:
+        memory = overhead + samples + 2 * FP32 * counts.largest_layer
+        progress = 0.0
+        stages.append(Stage("write", memory, "", output, folder))
     if recipe.joint_heal_tokens:
-        stages.append(_joint_heal(plan, counts))
+        stages.append(_joint_heal(plan, counts, 2 * output + progress, folder))
     return stages
 
 
@@ -67,43 +108,133 @@ def _samples(plan) -> float:
 
 
 def _calibration(plan, counts, available: float, overhead: float) -> Stage:
-    r, dense = plan.recipe, plan.dense_config
+    r, dense, run = plan.recipe, plan.dense_config, plan.run
     hidden, layers = dense.hidden_size, dense.num_hidden_layers
     states = r.calibration_tokens * hidden * FP32
     kept = layers * states
-    kept = kept if kept <= available * IN_MEMORY_SHARE else 0.0  # spilled to disk beyond that
-    logits = plan.run.calibration_batch_size * r.calibration_seq_len * dense.vocab_size * LOGIT_BYTES
-    peak = overhead + FP32 * counts.largest_layer + 3 * states + kept + logits
-    return Stage("calibration", peak, "--calibration-tokens, --calibration-samples, --offload-dir")
+    spilled = run.offload_dir is not None or kept > available * IN_MEMORY_SHARE
+    logits = run.calibration_batch_size * r.calibration_seq_len * dense.vocab_size * LOGIT_BYTES
+    peak = overhead + FP32 * counts.largest_layer + 3 * states + (0.0 if spilled else kept) + logits
+    remedy = "--calibration-tokens, --calibration-samples, --offload-dir"
+    passes = sum(method.gradient_pass for method, _ in plan.components.values())
+    flops = r.calibration_tokens * (layers * _layer_flops(plan, counts) * (1 + 3 * passes))
+    flops += passes * 4 * r.calibration_tokens * hidden * dense.vocab_size
+    folder = Path(run.offload_dir or tempfile.gettempdir())
+    # Only a gradient pass keeps the inputs; the disk counts them wherever they would spill.
+    return Stage("calibration", peak, remedy, kept if spilled else 0.0, folder, flops)
 
 
-def _layer_heal(plan, counts, overhead: float) -> Stage:
-    states = plan.recipe.heal_tokens * plan.dense_config.hidden_size * FP32
+def _layer_flops(plan, counts) -> float:
+    """A dense decoder layer's forward per token: its matmuls, and causal attention's scores and weighted sum."""
+    return 2 * counts.largest_layer + 2 * plan.recipe.calibration_seq_len * plan.dense_config.hidden_size
+
+
+def _active_mlp(plan, layer_idx: int) -> int:
+    """The parameters a token uses in layer `layer_idx`'s (MoE) MLP."""
+    prefix = f"model.layers.{layer_idx}.mlp."
+    return count_parameters(plan.config, {k: v for k, v in plan.expected.items() if k.startswith(prefix)})[1]
+
+
+def _healing_progress(plan) -> float:
+    """The layer healer's files at their largest: every layer's healed MLP in float32, the heal states twice."""
+    mlp = sum(math.prod(shape) for name, shape in plan.expected.items() if ".mlp." in name)
+    streams = 2 if plan.recipe.heal_target == "stream" else 1
+    return FP32 * mlp + 2 * streams * plan.recipe.heal_tokens * plan.dense_config.hidden_size * FP32
+
+
+def _layer_heal(plan, counts, overhead: float, disk: float, folder) -> Stage:
+    r, layers = plan.recipe, plan.dense_config.num_hidden_layers
+    states = r.heal_tokens * plan.dense_config.hidden_size * FP32
     peak = overhead + (2 * FP32 + 12) * counts.largest_layer + HEAL_STATES * states
-    return Stage("layer heal", peak, "--heal-tokens")
+    moe = plan.targets[MLP].layers if MLP in plan.targets else ()
+    streams = 2 if r.heal_target == "stream" else 1  # the dense model's own stream runs beside the healed one
+    flops = streams * r.heal_tokens * layers * _layer_flops(plan, counts)
+    flops += r.heal_tokens * (6 * r.heal_epochs + 3) * sum(_active_mlp(plan, i) for i in moe)
+    return Stage("layer heal", peak, "--heal-tokens", disk, folder, flops)
 
 
-def _joint_heal(plan, counts) -> Stage:
+def _joint_heal(plan, counts, disk: float, folder) -> Stage:
     student = parameter_counts(plan.config, plan.meta_model)
     seq_len = plan.recipe.calibration_seq_len
     settings = RunSettings(batch=JOINT_BATCH, seq_len=seq_len, checkpointing=False)
     teacher = _teacher_bytes(plan.dense_config, counts.total, FP32, JOINT_BATCH * seq_len)
     total = estimate_footprint(student, student.total, plan.config, settings, teacher, "cpu").total  # overhead in
-    return Stage("joint heal", total, "--joint-heal-tokens 0 (then the distillation recipe, docs/training.md)")
+    remedy = "--joint-heal-tokens 0 (then the distillation recipe, docs/training.md)"
+    flops = plan.recipe.joint_heal_tokens * (6 * student.active + 2 * counts.total)
+    return Stage("joint heal", total, remedy, disk, folder, flops)
 
 
-def describe(stages: list[Stage], available: float) -> str:
-    """One line: each stage's peak and the free memory."""
-    shown = ", ".join(f"{stage.name} {stage.peak / GIB:.1f}" for stage in stages)
-    return f"Memory forecast (GiB): {shown}; free {available / GIB:.1f}."
+# The share of the matmul rate each stage's code reaches: its attention, norms, routing and optimizer, and the
+# transfers between layers, are not matmuls (benchmarks/memory/forecast_check.py measures it)
+EFFICIENCY = {"calibration": 0.5, "layer heal": 0.5, "joint heal": 0.5}
+
+
+@functools.cache
+def matmul_rate(device: str, rows: int, inner: int, cols: int, budget: float = 0.25) -> float:
+    """Float32 FLOP/s of `[rows, inner] @ [inner, cols]` on `device`, timed over about `budget` seconds after one
+    warm-up product (once per process and shape)."""
+    import torch
+
+    a = torch.randn(rows, inner, device=device)
+    b = torch.randn(inner, cols, device=device)
+    (a @ b).sum().item()  # warm-up; .item() waits for a GPU
+    products, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget:
+        (a @ b).sum().item()
+        products += 1
+    return 2 * rows * inner * cols * products / elapsed
+
+
+def seconds(stage: Stage, rate: float) -> float | None:
+    """The stage's expected time at `rate` FLOP/s (None where it is not forecast)."""
+    return stage.flops / (rate * EFFICIENCY[stage.name]) if stage.flops else None
+
+
+def describe(stages: list[Stage], available: float, rate: float) -> str:
+    """One line: each stage's peak memory and expected time, the free memory, and what the stages write where."""
+    shown = []
+    for stage in stages:
+        expected = seconds(stage, rate)
+        shown.append(f"{stage.name} {stage.peak / GIB:.1f} GiB" + (f" ~{_duration(expected)}" if expected else ""))
+    written = [f"{stage.name} {stage.disk / GIB:.1f} GiB in {stage.folder}" for stage in stages if stage.disk]
+    return f"Forecast: {', '.join(shown)} (free {available / GIB:.1f} GiB)" + (
+        f"; on disk: {', '.join(written)}." if written else "."
+    )
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 90
+        else f"{seconds / 60:.0f} min"
+        if seconds < 5400
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
+def disk_free(folder: Path) -> float:
+    """Free bytes on the file system `folder` is (or will be) on: its nearest existing parent's."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return float(shutil.disk_usage(folder).free)
 
 
 def check_forecast(stages: list[Stage], available: float, force: bool) -> None:
-    """One ValueError when a stage's peak is over what may be planned of the free memory (unless `force`)."""
+    """One ValueError when a stage's peak is over what may be planned of the free memory, or its files over the free
+    disk where it writes them (unless `force`)."""
+    if force:
+        return
     over = [stage for stage in stages if stage.peak > HEADROOM * available]
-    if over and not force:
+    if over:
         worst = max(over, key=lambda stage: stage.peak)
         raise ValueError(
             f"The {worst.name} stage needs about {worst.peak / GIB:.1f} GiB and {available / GIB:.1f} GiB is free: "
             f"lower {'; '.join(stage.remedy for stage in over)}, or pass --force to run anyway."
         )
+    for stage in stages:
+        if stage.disk and stage.disk > (free := disk_free(stage.folder)):
+            where = "--offload-dir on a larger disk" if stage.name == "calibration" else "--output on a larger disk"
+            raise ValueError(
+                f"The {stage.name} stage writes about {stage.disk / GIB:.1f} GiB in {stage.folder} and "
+                f"{free / GIB:.1f} GiB is free there: pass {where}, or --force to run anyway."
+            )

@@ -12,6 +12,7 @@ A failed or interrupted conversion leaves nothing behind and never touches its s
 import dataclasses
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     check_not_source(output, source)
     source.check_complete()
     plan = ConversionPlan.create(recipe, source.config, run, resolved=resolved)
-    check_memory(plan, run)
+    check_memory(plan, run, source.dtype)
     context = CalibrationContext(
         plan.recipe,
         source.load_model,
@@ -81,6 +82,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     )
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory
+    if context.text_seconds:  # made during the calibration and on release: a stage of its own
+        plan.stage_seconds["text"] = round(context.text_seconds, 1)
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
     result = _write(plan, source, context, output, card_sections)
     if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
@@ -92,18 +95,28 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     return result
 
 
-def check_memory(plan, run: RunOptions) -> None:
-    """The memory forecast of each stage (`forecast.py`), before any weight is read: one ValueError where a stage will
-    not fit, unless `run.force`; logged where a stage needs over half the free memory; kept in `conversion_info`."""
+def check_memory(plan, run: RunOptions, source_dtype) -> None:
+    """The memory, disk and time forecast of each stage (`forecast.py`), before any weight is read: one ValueError
+    where a stage will not fit, unless `run.force`; else logged, and kept in `conversion_info`."""
+    import torch
+
     from ..footprint import GIB, available_bytes
-    from .forecast import check_forecast, describe, forecast
+    from .forecast import check_forecast, describe, forecast, matmul_rate, seconds
 
     available = available_bytes("cpu")
-    stages = forecast(plan, available)
+    dtype = getattr(torch, run.dtype) if run.dtype else source_dtype
+    stages = forecast(plan, available, dtype.itemsize)
     check_forecast(stages, available, run.force)
-    large = max(stage.peak for stage in stages) > available / 2
-    logger.log(logging.INFO if large else logging.DEBUG, describe(stages, available))
-    plan.forecast = {stage.name: round(stage.peak / GIB, 2) for stage in stages}
+    dense = plan.dense_config
+    rate = matmul_rate(run.device or default_device(), 512, dense.hidden_size, dense.intermediate_size)
+    logger.info(describe(stages, available, rate))
+    plan.forecast = {
+        "memory_gib": {stage.name: round(stage.peak / GIB, 2) for stage in stages},
+        "disk_gib": {stage.name: round(stage.disk / GIB, 3) for stage in stages if stage.disk},
+        "seconds": {stage.name: round(seconds(stage, rate), 1) for stage in stages if stage.flops},
+        "flops": {stage.name: stage.flops for stage in stages if stage.flops},
+        "matmul_flops_per_second": round(rate),
+    }
 
 
 def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:
@@ -114,11 +127,13 @@ def write_checkpoint(plan, source, context, folder: Path, info: dict | None = No
 
     from ..checkpoints.writer import ShardedWriter
 
+    start = time.perf_counter()
     writer = ShardedWriter(folder, plan.expected, plan.config.dtype, plan.run.max_shard_size)
     for name, tensor in plan.tensors(source, context, progress=plan.run.progress):
         writer.add(name, tensor)
     total, active = count_parameters(plan.config, writer.shapes)
     writer.close(total_parameters=total)
+    plan.stage_seconds["layer heal" if plan.healer else "write"] = round(time.perf_counter() - start, 1)
     plan.config.conversion_info = plan.conversion_info(source.description, context) | (info or {})
     plan.meta_model.add_auto_map()  # every head of the family, not only the causal LM
     custom_object_save(plan.meta_model, folder, config=plan.config)  # the modeling code next to the weights
@@ -154,7 +169,7 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
     from .healing.joint import heal_folder_jointly, joint_heal_tokens
 
     recipe, run = plan.recipe, plan.run
-    device = run.device or default_device()
+    device, start = run.device or default_device(), time.perf_counter()
     info = heal_folder_jointly(
         folder,
         source.load_model(torch.float32, device),
@@ -166,7 +181,8 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
         progress=run.progress,
         kl_weight=recipe.joint_heal_kl_weight,
     )
-    plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing": info}
+    plan.stage_seconds["joint heal"] = round(time.perf_counter() - start, 1)
+    plan.config.conversion_info |= {"joint_healing": info, "stage_seconds": plan.stage_seconds}
     plan.config.save_pretrained(folder)
 
 

@@ -9,6 +9,7 @@ plan.tensors(source, context)           the output checkpoint's tensors, one dec
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 
 from llama_moe_hf.modeling.configuration_llama_moe import DEFAULT_ROUTER_TYPE
@@ -215,7 +216,8 @@ class ConversionPlan:
     meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
     asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
-    forecast: dict | None = None  # stage -> forecast peak GiB (`forecast.py`), recorded in `conversion_info`
+    forecast: dict | None = None  # each stage's forecast memory, disk and time (`forecast.py`), in `conversion_info`
+    stage_seconds: dict = dataclasses.field(default_factory=dict)  # each stage's measured time, the same
 
     @classmethod
     def create(
@@ -262,6 +264,7 @@ class ConversionPlan:
     def prepare(self, context) -> None:
         """Every component asks for its statistics, one calibration pass records them all, then the components
         compute what the layers need (gradient passes and k-means included). The caller releases the model."""
+        start = time.perf_counter()
         for method, router in self.components.values():
             method.request(context)
             router.request(context)
@@ -271,6 +274,8 @@ class ConversionPlan:
         for method, router in self.components.values():
             method.prepare(context)
             router.prepare(context)
+        made = getattr(context, "text_seconds", 0.0)  # the text the dense model made (a merge's context makes none)
+        self.stage_seconds["calibration"] = round(time.perf_counter() - start - made, 1)
 
     def tensors(self, source, context, progress: bool = False) -> Iterator[tuple[str, object]]:
         """(name, tensor) of the whole output checkpoint, one decoder layer at a time, checked against the plan."""
@@ -363,7 +368,9 @@ class ConversionPlan:
         if self.healer is not None:
             info.update(self.healer.info())
         if self.forecast is not None:
-            info["memory_forecast_gib"] = self.forecast
+            info["forecast"] = self.forecast
+        if self.stage_seconds:
+            info["stage_seconds"] = self.stage_seconds
         return info
 
 

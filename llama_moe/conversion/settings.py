@@ -270,7 +270,8 @@ class RunOptions:
     private: bool = dataclasses.field(default=False, metadata={"help": "create the Hub repository as private"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
     force: bool = dataclasses.field(
-        default=False, metadata={"help": "convert even where the memory forecast says a stage will not fit"}
+        default=False,
+        metadata={"help": "convert even where the forecast says a stage will not fit in the free memory or disk"},
     )
     eval: bool = dataclasses.field(
         default=True,

@@ -255,13 +255,14 @@ class _MLPAccumulators:
 
 class _LayerInputs:
     """Each decoder layer's input `[B, S, H]` in a gradient pass: kept in memory, or in a folder of safetensors files
-    (`offload_dir`, else a temporary folder) when all of them would take more than a quarter of the free memory."""
+    (`offload_dir`, else a temporary folder) when all of them would take more than a quarter of the free memory (a
+    cgroup's limit counted, as the forecast counts it)."""
 
     def __init__(self, num_layers: int, states: torch.Tensor, offload_dir: str | None):
-        import psutil
+        from ..footprint import available_bytes
 
         size = num_layers * states.numel() * states.element_size()
-        spill = offload_dir is not None or size > psutil.virtual_memory().available * IN_MEMORY_SHARE
+        spill = offload_dir is not None or size > available_bytes("cpu") * IN_MEMORY_SHARE
         self.folder = tempfile.TemporaryDirectory(prefix="calibration-", dir=offload_dir) if spill else None
         if spill:
             logger.info(

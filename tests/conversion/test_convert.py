@@ -3,6 +3,7 @@ GGUF and Hub sources, and bad input that must fail cleanly without leaving anyth
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -434,10 +435,12 @@ def test_impossible_settings(workspace, kwargs, error, message):
 
 
 def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace, tiny_calibration, monkeypatch, caplog):
-    """A stage over the free memory stops the run in one line naming it and the flags that lower it (nothing read or
-    written, the source untouched); --force runs anyway, says the forecast and records it in the config."""
+    """A stage over the free memory, or over the free disk where it writes, stops the run in one line naming it and
+    the flags that lower it (nothing read or written, the source untouched); --force runs anyway, says the forecast
+    (memory, time, disk) and records it in the config beside each stage's measured time."""
     from llama_moe import footprint
     from llama_moe.checkpoints.folder import FolderSource
+    from llama_moe.conversion import forecast
 
     dense_path, out_root = workspace
     healed = dict(method="residual", num_experts=3, num_shared_experts=1, top_k=2, heal_tokens=64, joint_heal_tokens=64)
@@ -450,13 +453,29 @@ def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace,
     assert reads == []
     with pytest.raises(ValueError, match=r"--joint-heal-tokens 0 \(then the distillation recipe"):
         convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 20 * footprint.GIB)
+    monkeypatch.setattr(forecast, "disk_free", lambda folder: 1e5)
+    with pytest.raises(
+        ValueError, match=rf"^The layer heal stage writes about 0\.0 GiB in {out_root} and 0\.0 GiB is "
+    ):
+        convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
+    assert reads == [] and not any(out_root.iterdir())
     monkeypatch.undo()
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
     with caplog.at_level("INFO", logger="llama_moe.conversion.pipeline"):
         result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, force=True, **healed)
-    assert "Memory forecast (GiB): calibration 1.0, layer heal 1.0, joint heal 1." in caplog.text
-    recorded = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]["memory_forecast_gib"]
-    assert set(recorded) == {"calibration", "layer heal", "joint heal"}
+    assert re.search(
+        r"Forecast: calibration 1\.0 GiB ~\d+ s, layer heal 1\.0 GiB ~\d+ s, joint heal 1\.\d GiB", caplog.text
+    )
+    assert (
+        f"(free 0.5 GiB); on disk: layer heal 0.0 GiB in {out_root}, joint heal 0.0 GiB in {out_root}." in caplog.text
+    )
+    info = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]
+    stages = {"calibration", "layer heal", "joint heal"}
+    assert (
+        set(info["forecast"]["memory_gib"]) == set(info["forecast"]["seconds"]) == set(info["stage_seconds"]) == stages
+    )
+    assert set(info["forecast"]["disk_gib"]) == {"layer heal", "joint heal"}
     shutil.rmtree(result.output_dir)  # the workspace must end empty
 
 

@@ -161,3 +161,48 @@ def test_zero_and_fsdp_shard_the_model_states():
         )
         # ZeRO-3 keeps fp32 master weights beside the moments: 12 bytes a parameter, over 8 processes
         assert sharded.optimizer < whole.optimizer / 4 and sharded.total < whole.total
+
+
+def test_the_free_memory_is_what_a_cgroup_leaves(tmp_path):
+    """Under a memory cgroup the free memory is its limit less its usage: v2's files at the root, v1's in the
+    process's group (the lowest of its own and its ancestors' limits); no limit is no cap."""
+    from llama_moe.footprint import _cgroup_free
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("3000000000\n")
+    (v2 / "memory.current").write_text("1000000000\n")
+    assert _cgroup_free(v2) == 2e9
+    (v2 / "memory.max").write_text("max\n")
+    assert _cgroup_free(v2) == float("inf")
+    group = tmp_path / "v1" / "memory" / "docker" / "abc"
+    group.mkdir(parents=True)
+    membership = tmp_path / "cgroup"
+    membership.write_text("9:pids:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    (group / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (group / "memory.usage_in_bytes").write_text("500000000\n")
+    (group / "memory.stat").write_text("cache 100\nhierarchical_memory_limit 2500000000\n")
+    assert _cgroup_free(tmp_path / "v1", membership) == 2e9  # the parent's limit
+    (group / "memory.stat").write_text("cache 100\nhierarchical_memory_limit 9223372036854771712\n")
+    assert _cgroup_free(tmp_path / "v1", membership) == float("inf")
+
+
+@pytest.mark.skipif(not Path("/sys/fs/cgroup/memory").is_dir(), reason="no cgroup-v1 memory controller")
+def test_a_real_cgroup_limit_caps_the_free_memory(tmp_path):
+    """A process moved into a child cgroup capped at 1 GiB sees under 1 GiB free (the forecast's and the calibration
+    spill's free memory), where the controller lets this user make one."""
+    import subprocess
+
+    group = Path("/sys/fs/cgroup/memory") / f"llama-moe-test-{tmp_path.name}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(GIB))
+    except OSError:
+        pytest.skip("this user cannot make a memory cgroup")
+    try:
+        code = "from llama_moe.footprint import available_bytes; print(available_bytes('cpu'))"
+        enter = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c "{code}"'
+        free = float(subprocess.run(["bash", "-c", enter], capture_output=True, text=True, check=True).stdout)
+        assert 0.5 * GIB < free < GIB
+    finally:
+        group.rmdir()

@@ -34,6 +34,9 @@ class ConstructionMethod:
     # calibration pass over a model), one router row each, so the gate widens to every model's experts
     mergeable = False
     default_router_init = "random"
+    # its construction back-propagates the next-token loss through the dense model (`context.importance`): the
+    # calibration runs a pass layer by layer keeping each layer's input, then one back down (the forecast counts it)
+    gradient_pass = False
 
     def __init__(self, recipe, target: Target, dense_config, run=None):
         self.recipe, self.target, self.dense_config, self.run = recipe, target, dense_config, run

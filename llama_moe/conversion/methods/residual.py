@@ -11,6 +11,7 @@ class ResidualSplit(CalibratedSplit):
         "important to its group's tokens, the most shared neurons the shared experts (its default router routes by "
         "the groups' centroids)."
     )
+    gradient_pass = True
     default_router_init = "kmeans"  # v2 routes by the centroids its experts were built from
 
     @classmethod

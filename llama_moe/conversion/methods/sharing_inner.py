@@ -22,6 +22,7 @@ class SharingInnerSplit(CalibratedSplit):
         "LLaMA-MoE Sharing-Inner: calibration texts clustered into N groups; expert i takes the neurons most important "
         "(|h * dL/dh|) for group i, so experts may share neurons."
     )
+    gradient_pass = True
     allows_shared_experts = False
 
     def request_data(self, context) -> None:

@@ -11,6 +11,7 @@ class SharingInterSplit(CalibratedSplit):
         "LLaMA-MoE Sharing-Inter: neurons most groups rank important form the shared experts; the rest are assigned "
         "to routed experts by importance, without overlap."
     )
+    gradient_pass = True
 
     def request_data(self, context) -> None:
         context.request_sequence_embeddings()
