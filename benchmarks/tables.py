@@ -15,12 +15,13 @@ and date filled in. Rows transcribed from earlier docs keep the command and date
 (the date of the commit that added it where the docs gave none).
 
 Some tables come from their scripts' own rows: `sparsity` (every row of results/sparsity.jsonl, by sparsity and then
-the tutorial ratio), `training_memory` (the first row of each case in results/training_memory.jsonl: the run of
-all cases; later single-case reruns stay in the file and the prose), `btx` (results/btx.jsonl's last whole run, from
-its dense row, with the rows `btx_run.py eval --only` rescored or added after it), `behaviour_choose` /
-`behaviour_confirm` (results/behaviour.jsonl's latest row of each model on that prompt set), and from
-results/presets.jsonl `preset_speed` (the latest row of each preset and runtime: what `llama-moe convert --help`
-quotes) and `preset_perplexity` (the latest row of each `sparse-N` preset per calibration text, with its tasks row).
+the tutorial ratio), `forecast` (every row of results/forecast.jsonl with stage times), `training_memory` (the first
+row of each case in results/training_memory.jsonl: the run of all cases; later single-case reruns stay in the file and
+the prose), `btx` (results/btx.jsonl's last whole run, from its dense row, with the rows `btx_run.py eval --only`
+rescored or added after it), `behaviour_choose` / `behaviour_confirm` (results/behaviour.jsonl's latest row of each
+model on that prompt set), and from results/presets.jsonl `preset_speed` (the latest row of each preset and runtime:
+what `llama-moe convert --help` quotes) and `preset_perplexity` (the latest row of each `sparse-N` preset per
+calibration text, with its tasks row).
 """
 
 import argparse
@@ -133,6 +134,26 @@ def training_memory_table(rows: list[dict]) -> str:
     ]
     headers = ["case", "model, micro-batch", "estimate (GiB)", "peak (GiB)", "estimate / peak", "s / step"]
     return markdown(headers, "|---|---|---:|---:|---:|---:|", lines)
+
+
+def forecast_table(rows: list[dict]) -> str:
+    """benchmarks/memory/forecast_check.py's rows with stage times: forecast against measured, memory, each stage's
+    time, disk."""
+    lines = []
+    for row in rows:
+        if "seconds" not in row:  # rows from before the time forecast: memory only (the prose quotes them)
+            continue
+        memory, disk = row["memory"], row["disk"]
+        times = [
+            f"{stage} {t['forecast']:.0f} / {t['measured']:.0f} s ({t['ratio']:.2f})" for stage, t in row["seconds"].items()
+        ]
+        lines.append(
+            [row["label"], f"{memory['forecast_gib']:.2f} / {memory['peak_gib']:.2f} ({memory['ratio']:.2f})"]
+            + ["; ".join(times), f"{disk['forecast_gib']:.2f} / {disk['peak_gib']:.2f}", str(row["matmul_gflops"])]
+            + [row["date"]]
+        )
+    headers = ["conversion", "memory GiB: forecast / peak", "time: forecast / measured", "disk GiB", "matmul GFLOP/s"]
+    return markdown([*headers, "date"], "|---|---:|---|---:|---:|---|", lines)
 
 
 BTX_TEXTS = ("prose", "code", "math", "mixture", "general")
@@ -285,6 +306,7 @@ SCRIPT_TABLES = {
     "sparsity": lambda: sparsity_table([row for row in read_rows("sparsity.jsonl") if "method" in row]),
     "training_memory": lambda: training_memory_table(read_rows("training_memory.jsonl")),
     "btx": lambda: btx_table(read_rows("btx.jsonl")),  # the last whole run and the rows rescored after it
+    "forecast": lambda: forecast_table(read_rows("forecast.jsonl")),
 }
 
 

@@ -23,6 +23,7 @@ from .registry import count_parameters
 from .settings import RunOptions
 
 logger = logging.getLogger(__name__)
+SAY_FORECAST_SECONDS = 10  # a conversion expected to take less goes without its forecast line
 
 
 @dataclass
@@ -97,7 +98,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
 
 def check_memory(plan, run: RunOptions, source_dtype) -> None:
     """The memory, disk and time forecast of each stage (`forecast.py`), before any weight is read: one ValueError
-    where a stage will not fit, unless `run.force`; else logged, and kept in `conversion_info`."""
+    where a stage will not fit, unless `run.force`; logged (for a run of a few seconds only at debug level), and kept
+    in `conversion_info`."""
     import torch
 
     from ..footprint import GIB, available_bytes
@@ -109,7 +111,9 @@ def check_memory(plan, run: RunOptions, source_dtype) -> None:
     check_forecast(stages, available, run.force)
     dense = plan.dense_config
     rate = matmul_rate(run.device or default_device(), 512, dense.hidden_size, dense.intermediate_size)
-    logger.info(describe(stages, available, rate))
+    expected = sum(seconds(stage, rate) or 0.0 for stage in stages)
+    worth_saying = expected >= SAY_FORECAST_SECONDS or max(stage.peak for stage in stages) > available / 2
+    logger.log(logging.INFO if worth_saying else logging.DEBUG, describe(stages, available, rate))
     plan.forecast = {
         "memory_gib": {stage.name: round(stage.peak / GIB, 2) for stage in stages},
         "disk_gib": {stage.name: round(stage.disk / GIB, 3) for stage in stages if stage.disk},

@@ -259,7 +259,7 @@ class _LayerInputs:
     cgroup's limit counted, as the forecast counts it)."""
 
     def __init__(self, num_layers: int, states: torch.Tensor, offload_dir: str | None):
-        from ..footprint import available_bytes
+        from ..devices import available_bytes
 
         size = num_layers * states.numel() * states.element_size()
         spill = offload_dir is not None or size > available_bytes("cpu") * IN_MEMORY_SHARE

@@ -479,6 +479,37 @@ def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace,
     shutil.rmtree(result.output_dir)  # the workspace must end empty
 
 
+@pytest.mark.parametrize("method", ["residual", "sharing-inner", "sharing-inter", "cluster"])
+def test_the_forecast_counts_the_gradient_passes_the_calibration_runs(workspace, tiny_calibration, monkeypatch, method):
+    """A method's `gradient_pass` (what the time forecast counts) is whether its calibration back-propagates."""
+    from llama_moe.conversion.calibration import CalibrationContext
+    from llama_moe.conversion.registry import METHODS
+
+    dense_path, out_root = workspace
+    passes, importance = [], CalibrationContext.importance
+    monkeypatch.setattr(
+        CalibrationContext,
+        "importance",
+        lambda self, key, *a, **k: passes.append(key) or importance(self, key, *a, **k),
+    )
+    shared = dict(num_shared_experts=1) if method == "residual" else {}
+    result = convert_to_moe(
+        dense_path,
+        out_root / "moe",
+        progress=False,
+        eval=False,
+        method=method,
+        num_experts=2,
+        top_k=1,
+        calibration_data=str(tiny_calibration),
+        calibration_tokens=64,
+        calibration_seq_len=32,
+        **shared,
+    )
+    assert bool(set(passes)) == METHODS[method].gradient_pass
+    shutil.rmtree(result.output_dir)
+
+
 def test_missing_source(workspace):
     _, out_root = workspace
     with pytest.raises(FileNotFoundError, match="does not exist"):

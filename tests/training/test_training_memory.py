@@ -166,7 +166,7 @@ def test_zero_and_fsdp_shard_the_model_states():
 def test_the_free_memory_is_what_a_cgroup_leaves(tmp_path):
     """Under a memory cgroup the free memory is its limit less its usage: v2's files at the root, v1's in the
     process's group (the lowest of its own and its ancestors' limits); no limit is no cap."""
-    from llama_moe.footprint import _cgroup_free
+    from llama_moe.devices import _cgroup_free
 
     v2 = tmp_path / "v2"
     v2.mkdir()
@@ -200,7 +200,7 @@ def test_a_real_cgroup_limit_caps_the_free_memory(tmp_path):
     except OSError:
         pytest.skip("this user cannot make a memory cgroup")
     try:
-        code = "from llama_moe.footprint import available_bytes; print(available_bytes('cpu'))"
+        code = "from llama_moe.devices import available_bytes; print(available_bytes('cpu'))"
         enter = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c "{code}"'
         free = float(subprocess.run(["bash", "-c", enter], capture_output=True, text=True, check=True).stdout)
         assert 0.5 * GIB < free < GIB
