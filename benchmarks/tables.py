@@ -145,7 +145,8 @@ def forecast_table(rows: list[dict]) -> str:
             continue
         memory, disk = row["memory"], row["disk"]
         times = [
-            f"{stage} {t['forecast']:.0f} / {t['measured']:.0f} s ({t['ratio']:.2f})" for stage, t in row["seconds"].items()
+            f"{stage} {t['forecast']:.0f} / {t['measured']:.0f} s ({t['ratio']:.2f})"
+            for stage, t in row["seconds"].items()
         ]
         lines.append(
             [row["label"], f"{memory['forecast_gib']:.2f} / {memory['peak_gib']:.2f} ({memory['ratio']:.2f})"]

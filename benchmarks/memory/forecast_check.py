@@ -4,7 +4,7 @@ Runs `llama-moe convert ARGS` in a child process and puts the forecast the outpu
 `forecast`) beside what was measured:
 
 - memory: the largest stage's peak against the child's peak resident memory (getrusage's `ru_maxrss`);
-- time: each stage's expected seconds against `conversion_info["stage_seconds"]` (the stage's own wall time);
+- time: each stage's expected seconds against its own wall time (both from the run's "Stage times" log line);
 - disk: the largest stage's files against the most the run held at once under the output's parent folder and the
   temporary folder (polled every 0.2 s; what was there before the run is not counted).
 
@@ -18,6 +18,7 @@ over the free memory is measured too. Run nothing else meanwhile: the times are 
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -68,17 +69,26 @@ class DiskWatch:
         return self.peak
 
 
-def compare(info: dict, peak_rss: float, peak_disk: float) -> dict:
+def stage_times(log: str) -> tuple[dict, float]:
+    """`({stage: {"forecast", "measured"}}, matmul GFLOP/s)` from the run's "Stage times" line."""
+    line = next(line for line in log.splitlines() if line.startswith("Stage times"))
+    times = {
+        name: {"forecast": float(expected), "measured": float(took)}
+        for name, took, expected in re.findall(r"([a-z ]+?) ([\d.]+) \(([\d.]+)\)", line.split(": ", 1)[1])
+    }
+    return {name.strip(", "): t for name, t in times.items()}, float(re.search(r"matmul ([\d.]+)", line).group(1))
+
+
+def compare(info: dict, log: str, peak_rss: float, peak_disk: float) -> dict:
     forecast = info["forecast"]
-    measured, expected = info.get("stage_seconds", {}), forecast["seconds"]
-    times = {s: {"forecast": expected[s], "measured": measured[s]} for s in expected if s in measured}
+    times, rate = stage_times(log)
     largest = max(forecast["memory_gib"].values())
     disk = max(forecast["disk_gib"].values(), default=0.0)
     return {
         "memory": {"forecast_gib": largest, "peak_gib": round(peak_rss, 2), "ratio": round(largest / peak_rss, 3)},
         "seconds": {s: t | {"ratio": round(t["forecast"] / max(t["measured"], 0.1), 3)} for s, t in times.items()},
         "disk": {"forecast_gib": disk, "peak_gib": round(peak_disk, 3)},
-        "matmul_gflops": round(forecast["matmul_flops_per_second"] / 1e9, 1),
+        "matmul_gflops": rate,
     }
 
 
@@ -104,7 +114,7 @@ def main():
         raise SystemExit(f"llama-moe convert failed (exit {done.returncode}).")
     info = json.loads((output / "config.json").read_text())["conversion_info"]
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB  # kB on Linux
-    row = compare(info, peak_rss, peak_disk)
+    row = compare(info, done.stderr, peak_rss, peak_disk)
     label = args.label or " ".join(convert_args)
     print(f"{label} ({minutes:.1f} min):")
     print(json.dumps(row, indent=1))

@@ -87,6 +87,7 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
         plan.stage_seconds["text"] = round(context.text_seconds, 1)
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
     result = _write(plan, source, context, output, card_sections)
+    log_stage_times(plan)
     if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
         shutil.rmtree(plan.heal_state_dir, ignore_errors=True)
     if run.push_to_hub:
@@ -117,10 +118,22 @@ def check_memory(plan, run: RunOptions, source_dtype) -> None:
     plan.forecast = {
         "memory_gib": {stage.name: round(stage.peak / GIB, 2) for stage in stages},
         "disk_gib": {stage.name: round(stage.disk / GIB, 3) for stage in stages if stage.disk},
-        "seconds": {stage.name: round(seconds(stage, rate), 1) for stage in stages if stage.flops},
-        "flops": {stage.name: stage.flops for stage in stages if stage.flops},
-        "matmul_flops_per_second": round(rate),
     }
+    plan.expected_seconds = {stage.name: seconds(stage, rate) for stage in stages if stage.flops}
+    plan.expected_seconds["matmul GFLOP/s"] = rate / 1e9
+
+
+def log_stage_times(plan) -> None:
+    """One line at the end: each stage's time, and in brackets what the forecast expected."""
+    expected = plan.expected_seconds
+    shown = [
+        f"{name} {took:.1f}" + (f" ({expected[name]:.1f})" if name in expected else "")
+        for name, took in plan.stage_seconds.items()
+    ]
+    rate = expected.get("matmul GFLOP/s")
+    level = logging.INFO if sum(plan.stage_seconds.values()) >= SAY_FORECAST_SECONDS else logging.DEBUG
+    rate = f"; matmul {rate:.1f} GFLOP/s" if rate else ""
+    logger.log(level, "Stage times (s; forecast in brackets): %s%s.", ", ".join(shown), rate)
 
 
 def write_checkpoint(plan, source, context, folder: Path, info: dict | None = None) -> tuple[int, int]:
@@ -186,7 +199,7 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
         kl_weight=recipe.joint_heal_kl_weight,
     )
     plan.stage_seconds["joint heal"] = round(time.perf_counter() - start, 1)
-    plan.config.conversion_info |= {"joint_healing": info, "stage_seconds": plan.stage_seconds}
+    plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing": info}
     plan.config.save_pretrained(folder)
 
 

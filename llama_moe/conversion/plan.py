@@ -216,8 +216,10 @@ class ConversionPlan:
     meta_model: object = None  # the output model on the meta device: the shapes, and the code to save
     asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
-    forecast: dict | None = None  # each stage's forecast memory, disk and time (`forecast.py`), in `conversion_info`
-    stage_seconds: dict = dataclasses.field(default_factory=dict)  # each stage's measured time, the same
+    forecast: dict | None = None  # each stage's forecast memory and disk (`forecast.py`), in `conversion_info`
+    # each stage's expected and measured seconds: logged at the end, not saved (the config is the same on a rerun)
+    expected_seconds: dict = dataclasses.field(default_factory=dict)
+    stage_seconds: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
@@ -369,8 +371,6 @@ class ConversionPlan:
             info.update(self.healer.info())
         if self.forecast is not None:
             info["forecast"] = self.forecast
-        if self.stage_seconds:
-            info["stage_seconds"] = self.stage_seconds
         return info
 
 
