@@ -20,14 +20,15 @@ for causal attention; A = an MoE MLP's active parameters; E = heal epochs; T = h
 
     calibration  N x L x F for the statistics pass; each method that back-propagates (`gradient_pass`) adds a pass
                  keeping the layer inputs and one back down, 3 x N x L x F, and the loss's gradient, 4 x N x H x V
-    layer heal   T x L x F for the states and targets (twice under `heal_target: stream`), and per MoE layer T x A x (6 E + 3): E passes of Adam's
-                 forward and backward, the error before and after, the outputs
+    layer heal   T x L x F for the states and targets (twice under `heal_target: stream`), and per MoE layer
+                 T x A x (6 E + 3): E passes of Adam's forward and backward, the error before and after, the outputs
     joint heal   J x (6 x the student's active parameters + 2 x the dense model's): forward and backward of the
                  student, forward of the teacher
 
 A stage's expected time is its FLOPs over the machine's float32 matmul rate (`matmul_rate`: a product of the
 model's MLP shape timed for a quarter of a second on the compute device), divided by the share of that rate the
-stage's code reaches (`EFFICIENCY`, measured on SmolLM2-135M and checked on a 1.2B shape: docs/benchmarks.md).
+stage's code reaches (`EFFICIENCY`: one half, chosen before measuring; docs/benchmarks.md compares forecast and
+measured times on SmolLM2-135M and a 1.2B shape).
 
 What each stage holds on disk at its peak (bytes), checked against the free space where it writes:
 
@@ -40,7 +41,8 @@ What each stage holds on disk at its peak (bytes), checked against the free spac
 
 The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` stops with one
 line (exit 2) when a stage needs more than the free memory or disk allows, naming the flags that would fit (`--force`
-runs anyway), logs the forecast where a stage needs over half the free memory, and records it in `conversion_info`.
+runs anyway), logs the forecast where the run is expected to take 10 s or more or a stage needs over half the free
+memory, and records the memory and disk in `conversion_info`.
 """
 
 import dataclasses
@@ -138,8 +140,13 @@ def _active_mlp(plan, layer_idx: int) -> int:
 def _healing_progress(plan) -> float:
     """The layer healer's files at their largest: every layer's healed MLP in float32, the heal states twice."""
     mlp = sum(math.prod(shape) for name, shape in plan.expected.items() if ".mlp." in name)
-    streams = 2 if plan.recipe.heal_target == "stream" else 1
-    return FP32 * mlp + 2 * streams * plan.recipe.heal_tokens * plan.dense_config.hidden_size * FP32
+    return FP32 * mlp + 2 * _streams(plan.recipe) * plan.recipe.heal_tokens * plan.dense_config.hidden_size * FP32
+
+
+def _streams(recipe) -> int:
+    """The hidden-state streams the layer healer carries: the dense model's own beside the healed one's under
+    `heal_target: stream`."""
+    return 2 if recipe.heal_target == "stream" else 1
 
 
 def _layer_heal(plan, counts, overhead: float, disk: float, folder) -> Stage:
@@ -147,8 +154,7 @@ def _layer_heal(plan, counts, overhead: float, disk: float, folder) -> Stage:
     states = r.heal_tokens * plan.dense_config.hidden_size * FP32
     peak = overhead + (2 * FP32 + 12) * counts.largest_layer + HEAL_STATES * states
     moe = plan.targets[MLP].layers if MLP in plan.targets else ()
-    streams = 2 if r.heal_target == "stream" else 1  # the dense model's own stream runs beside the healed one
-    flops = streams * r.heal_tokens * layers * _layer_flops(plan, counts)
+    flops = _streams(r) * r.heal_tokens * layers * _layer_flops(plan, counts)
     flops += r.heal_tokens * (6 * r.heal_epochs + 3) * sum(_active_mlp(plan, i) for i in moe)
     return Stage("layer heal", peak, "--heal-tokens", disk, folder, flops)
 
@@ -203,13 +209,11 @@ def describe(stages: list[Stage], available: float, rate: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    return (
-        f"{seconds:.0f} s"
-        if seconds < 90
-        else f"{seconds / 60:.0f} min"
-        if seconds < 5400
-        else f"{seconds / 3600:.1f} h"
-    )
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def disk_free(folder: Path) -> float:
