@@ -119,12 +119,12 @@ def _source_family_text(config) -> str:
 
 
 def training_note(plan, notes: str) -> str:
-    """Whether the weights were trained after the conversion (healing), on what and how much; else the methods'
-    notes on what to expect of an untrained conversion."""
+    """Whether the weights were trained after the conversion (healing), on what and how much, and a joint stage left
+    to a training run; else the methods' notes on what to expect of an untrained conversion."""
     recipe, info = plan.recipe, plan.config.conversion_info or {}
-    joint = info.get("joint_healing")
+    joint, left = info.get("joint_healing"), _deferred_note(info.get("joint_healing_deferred"))
     if not recipe.heal_tokens and not joint:
-        return f"This checkpoint was converted, not trained. {notes}"
+        return f"This checkpoint was converted, not trained. {notes}{left}"
     stages = []
     if recipe.heal_tokens:
         passes = f"{recipe.heal_epochs} pass{'es' if recipe.heal_epochs > 1 else ''}"
@@ -145,7 +145,16 @@ def training_note(plan, notes: str) -> str:
     return (
         f"Healed after conversion, towards its dense source: {'; '.join(stages)}. Training text: "
         f"{public(info.get('calibration_data', 'the calibration data'))}. The routers were initialised `{router.name}` "
-        "and trained in healing."
+        f"and trained in healing.{left}"
+    )
+
+
+def _deferred_note(deferred: dict | None) -> str:
+    if not deferred:
+        return ""
+    return (
+        f" The joint stage ({deferred['tokens']:,} tokens, every layer together) was left to a training run, not run "
+        f"in the conversion: its text is `{deferred['text']}`, and `llama-moe convert` printed the command that runs it."
     )
 
 

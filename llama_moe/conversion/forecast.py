@@ -41,7 +41,7 @@ What each stage holds on disk at its peak (bytes), checked against the free spac
 
 The process itself (interpreter, torch, tokenizer) adds `footprint.OVERHEAD`. `llama-moe convert` stops with one
 line (exit 2) when a stage needs more than the free memory or disk allows, naming the flags that would fit (`--force`
-runs anyway), logs the forecast where the run is expected to take 10 s or more or a stage needs over half the free
+runs anyway; a joint stage over the free memory is left to a training run instead, `pipeline.defer_joint_stage`), logs the forecast where the run is expected to take 10 s or more or a stage needs over half the free
 memory, and records the memory and disk in `conversion_info`.
 """
 
@@ -165,9 +165,8 @@ def _joint_heal(plan, counts, disk: float, folder) -> Stage:
     settings = RunSettings(batch=JOINT_BATCH, seq_len=seq_len, checkpointing=False)
     teacher = _teacher_bytes(plan.dense_config, counts.total, FP32, JOINT_BATCH * seq_len)
     total = estimate_footprint(student, student.total, plan.config, settings, teacher, "cpu").total  # overhead in
-    remedy = "--joint-heal-tokens 0 (then the distillation recipe, docs/training.md)"
     flops = plan.recipe.joint_heal_tokens * (6 * student.active + 2 * counts.total)
-    return Stage("joint heal", total, remedy, disk, folder, flops)
+    return Stage("joint heal", total, "", disk, folder, flops)  # too large: left to a training run, not refused
 
 
 # The share of the matmul rate each stage's code reaches: its attention, norms, routing and optimizer, and the

@@ -37,6 +37,7 @@ class ConversionResult:
     recipe: MoERecipe | None = None  # the resolved recipe (every default filled in)
     pushed: str | None = None  # the Hub commit URL, with `push_to_hub`
     quality: object | None = None  # `quick_check.QuickCheck`: what it kept of the dense model (`eval`)
+    next_command: str | None = None  # the joint stage as a training run, where it was left to one
 
 
 def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, card_sections=None) -> ConversionResult:
@@ -88,6 +89,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     plan.config.dtype = getattr(torch, run.dtype) if run.dtype else source.dtype
     result = _write(plan, source, context, output, card_sections)
     log_stage_times(plan)
+    if plan.joint_deferred:
+        result.next_command = say_deferred(plan, output)
     if plan.heal_state_dir is not None:  # written: the healing progress kept for a resume is no longer needed
         shutil.rmtree(plan.heal_state_dir, ignore_errors=True)
     if run.push_to_hub:
@@ -108,7 +111,7 @@ def check_memory(plan, run: RunOptions, source_dtype) -> None:
 
     available = available_bytes("cpu")
     dtype = getattr(torch, run.dtype) if run.dtype else source_dtype
-    stages = forecast(plan, available, dtype.itemsize)
+    stages = defer_joint_stage(plan, forecast(plan, available, dtype.itemsize), available)
     check_forecast(stages, available, run.force)
     dense = plan.dense_config
     rate = matmul_rate(run.device or default_device(), 512, dense.hidden_size, dense.intermediate_size)
@@ -121,6 +124,44 @@ def check_memory(plan, run: RunOptions, source_dtype) -> None:
     }
     plan.expected_seconds = {stage.name: seconds(stage, rate) for stage in stages if stage.flops}
     plan.expected_seconds["matmul GFLOP/s"] = rate / 1e9
+
+
+def defer_joint_stage(plan, stages: list, available: float) -> list:
+    """The stages this process runs: without the joint stage where `--defer-joint-heal` asks, or where it needs more
+    memory than is free (unless `--force`); `plan.joint_deferred` is then that stage's forecast."""
+    from ..footprint import GIB, HEADROOM
+
+    joint = next((stage for stage in stages if stage.name == "joint heal"), None)
+    too_large = joint is not None and joint.peak > HEADROOM * available and not plan.run.force
+    if joint is None or not (plan.run.defer_joint_heal or too_large):
+        return stages
+    if too_large:
+        logger.warning(
+            "The joint heal stage needs about %.1f GiB and %.1f GiB is free: this conversion writes the layer-wise "
+            "result and its text, and ends with the command that runs the stage where it fits (--force runs it "
+            "here).",
+            joint.peak / GIB,
+            available / GIB,
+        )
+    plan.joint_deferred = joint
+    return [stage for stage in stages if stage is not joint]
+
+
+def say_deferred(plan, output: Path) -> str:
+    """The command that runs the joint stage left to a training run, logged; returns it."""
+    from ..footprint import GIB
+    from .healing.joint import JOINT_TEXT, recipe_command
+
+    deferred = plan.config.conversion_info["joint_healing_deferred"]
+    command = recipe_command(output, output / JOINT_TEXT, plan.recipe, deferred["sequences"])
+    logger.warning(
+        "The joint heal stage was not run here (about %.1f GiB). Run it, from the repository's root on a machine "
+        "where it fits (accelerate launch shards it over GPUs, docs/scale_out.md; add --use_cpu true without one):"
+        "\n  %s",
+        plan.joint_deferred.peak / GIB,
+        command,
+    )
+    return command
 
 
 def log_stage_times(plan) -> None:
@@ -168,7 +209,7 @@ def _write(plan, source, context, output: Path, card_sections=None) -> Conversio
         total, active = write_checkpoint(plan, source, context, tmp)
         context.drop_statistics()
         if plan.recipe.joint_heal_tokens:
-            heal_written_jointly(plan, source, context, tmp)
+            (write_deferred if plan.joint_deferred else heal_written_jointly)(plan, source, context, tmp)
         reproduce = dataclasses.replace(run, model=source.reference, tokenizer=source.tokenizer_source)
         save_recipe(tmp / RECIPE_FILE, plan.asked, reproduce)
         quality = quality_check(tmp, source, run, total)
@@ -200,6 +241,18 @@ def heal_written_jointly(plan, source, context, folder: Path) -> None:
     )
     plan.stage_seconds["joint heal"] = round(time.perf_counter() - start, 1)
     plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing": info}
+    plan.config.save_pretrained(folder)
+
+
+def write_deferred(plan, source, context, folder: Path) -> None:
+    """The joint stage's tokens, as text for the training recipe that runs it (`healing.joint.write_joint_text`);
+    the config records it (`conversion_info["joint_healing_deferred"]`)."""
+    from .healing.joint import JOINT_TEXT, joint_heal_tokens, write_joint_text
+
+    tokens = joint_heal_tokens(context, plan.recipe)
+    documents = write_joint_text(folder / JOINT_TEXT, tokens, source.load_tokenizer())
+    deferred = {"tokens": tokens.numel(), "sequences": len(tokens), "documents": documents, "text": JOINT_TEXT}
+    plan.config.conversion_info = {**plan.config.conversion_info, "joint_healing_deferred": deferred}
     plan.config.save_pretrained(folder)
 
 

@@ -217,6 +217,7 @@ class ConversionPlan:
     asked: MoERecipe | None = None  # the recipe file the output carries (`recipe_as_asked`)
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
     forecast: dict | None = None  # each stage's forecast memory and disk (`forecast.py`), in `conversion_info`
+    joint_deferred: object = None  # the joint stage's `forecast.Stage`, where it is left to a training run
     # each stage's expected and measured seconds: logged at the end, not saved (the config is the same on a rerun)
     expected_seconds: dict = dataclasses.field(default_factory=dict)
     stage_seconds: dict = dataclasses.field(default_factory=dict)

@@ -273,6 +273,13 @@ class RunOptions:
         default=False,
         metadata={"help": "convert even where the forecast says a stage will not fit in the free memory or disk"},
     )
+    defer_joint_heal: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "write the layer-wise result and the joint stage's text, and end with the training command that "
+            "runs that stage (what happens by itself when it would not fit in the free memory)"
+        },
+    )
     eval: bool = dataclasses.field(
         default=True,
         metadata={

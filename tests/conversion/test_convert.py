@@ -448,10 +448,10 @@ def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace,
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
     reads = []
     monkeypatch.setattr(FolderSource, "tensor", lambda self, name: reads.append(name))
-    with pytest.raises(ValueError, match=r"^The joint heal stage needs about 1\.\d GiB and 0\.5 GiB is free: lower "):
+    with pytest.raises(ValueError, match=r"^The layer heal stage needs about 1\.0 GiB and 0\.5 GiB is free: lower "):
         convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
     assert reads == []
-    with pytest.raises(ValueError, match=r"--joint-heal-tokens 0 \(then the distillation recipe"):
+    with pytest.raises(ValueError, match=r"lower --calibration-tokens, --calibration-samples, --offload-dir; --heal-"):
         convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **healed)
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 20 * footprint.GIB)
     monkeypatch.setattr(forecast, "disk_free", lambda folder: 1e5)

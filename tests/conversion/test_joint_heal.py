@@ -2,18 +2,24 @@
 model's next-token distributions. Closer to the dense model, recorded in the config, the recipe and the card, written
 in place of the weights (nothing left beside them), the same model as built in memory, and checked settings."""
 
+import dataclasses
 import json
+import runpy
+import shlex
 
 import pytest
 import torch
-from helpers import load_moe, logits
+from helpers import RECIPES, load_moe, logits
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llama_moe.checkpoints.writer import read_shapes
 from llama_moe.conversion.calibration import CalibrationContext
-from llama_moe.conversion.healing.joint import distillation_loss, joint_heal_tokens
+from llama_moe.conversion.healing.joint import JOINT_TEXT, distillation_loss, joint_heal_tokens, write_joint_text
 from llama_moe.conversion.recipe import MoERecipe
 from llama_moe.text.corpus import stdlib_docstrings
+from llama_moe.text.tokens import token_stream
+from llama_moe.training.checkpoint import HISTORY_FILE
 from llama_moe_hf import build_moe, convert_to_moe
 
 SPLIT = dict(method="random", num_experts=4, top_k=1, router_init="random", calibration_tokens=1024)
@@ -108,3 +114,76 @@ def test_a_joint_stage_that_ends_further_from_the_dense_model_says_so(tiny_dense
     info = load_moe(result.output_dir).config.conversion_info["joint_healing"]
     assert info["held_out_kl_after"] > info["held_out_kl_before"]
     assert "ended further from the dense model than it began" in caplog.text
+
+
+def test_a_joint_stage_left_to_a_training_run_writes_its_text_and_the_command_that_runs_it(
+    converted, tiny_dense, tmp_path, monkeypatch, caplog
+):
+    """--defer-joint-heal: the layer-wise result (the weights of the folder converted without the stage), the stage's
+    tokens as text, and the logged command: `recipes/pretrain/joint-heal.yaml`
+    with the stage's steps, warm-up, learning rate and KL weight, which brings the model nearer the dense one."""
+    plain, _ = converted
+    with caplog.at_level("WARNING", logger="llama_moe.conversion.pipeline"):
+        result = convert_to_moe(
+            tiny_dense[0], tmp_path / "left", progress=False, eval=False, defer_joint_heal=True, **SPLIT, **JOINT
+        )
+    folder = result.output_dir
+    assert load_file(folder / "model.safetensors").keys() == load_file(plain / "model.safetensors").keys()
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        torch.testing.assert_close(tensor, load_file(plain / "model.safetensors")[name], rtol=0, atol=0)
+    info = load_moe(folder).config.conversion_info
+    assert "joint_healing" not in info
+    assert info["joint_healing_deferred"] | {"documents": 0} == {
+        "tokens": 8192,
+        "sequences": 32,
+        "documents": 0,
+        "text": JOINT_TEXT,
+    }
+    documents = (folder / JOINT_TEXT).read_text().splitlines()
+    assert len(documents) == info["joint_healing_deferred"]["documents"] > 1
+    assert "The joint heal stage was not run here" in caplog.text
+    assert f"`{JOINT_TEXT}`" in (folder / "README.md").read_text()
+    command = shlex.split(result.next_command)
+    assert command[:2] == ["python", "recipes/continual_pretrain.py"] and command[-2:] == ["--distill_alpha", "0.5"]
+    assert result.next_command in caplog.text
+    monkeypatch.chdir(RECIPES.parent)  # the command runs from the repository's root
+    outcome = runpy.run_path(command[1])["main"](command[2:] + ["--use_cpu", "true", "--disable_tqdm", "true"])
+    (stage,) = json.loads((outcome.output / HISTORY_FILE).read_text())
+    assert outcome.output == tmp_path / "left-joint"
+    assert stage["steps"] == 7 and stage["distillation"]["alpha"] == 0.5  # the last batch held back, as here
+    assert objective(outcome.output, tiny_dense) < 0.95 * objective(plain, tiny_dense)
+
+
+def test_a_joint_stage_that_will_not_fit_is_left_to_a_training_run(tiny_dense, tmp_path, monkeypatch, caplog):
+    """Where the joint stage's forecast is over the free memory, the conversion leaves it to a training run, says so
+    before it starts, and keeps the other stages' forecast; --force runs it here."""
+    from llama_moe import footprint
+    from llama_moe.conversion import forecast
+
+    joint_heal = forecast._joint_heal
+    large = lambda *args: dataclasses.replace(joint_heal(*args), peak=30 * footprint.GIB)  # noqa: E731
+    monkeypatch.setattr(forecast, "_joint_heal", large)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 20 * footprint.GIB)
+    with caplog.at_level("WARNING", logger="llama_moe.conversion.pipeline"):
+        result = convert_to_moe(tiny_dense[0], tmp_path / "moe", progress=False, eval=False, **SPLIT, **JOINT)
+    assert "needs about 30.0 GiB and 20.0 GiB is free: this conversion writes the layer-wise result" in caplog.text
+    assert result.next_command and (result.output_dir / JOINT_TEXT).is_file()
+    forecast = load_moe(result.output_dir).config.conversion_info["forecast"]
+    assert "joint heal" not in forecast["memory_gib"]
+    result = convert_to_moe(
+        tiny_dense[0], tmp_path / "moe", progress=False, eval=False, overwrite=True, force=True, **SPLIT, **JOINT
+    )
+    assert result.next_command is None and "joint_healing" in load_moe(result.output_dir).config.conversion_info
+
+
+def test_the_joint_stage_text_reads_back_as_its_tokens(smollm2_path, real_text, tmp_path):
+    """What the recipes' packing makes of the text (each document followed by EOS) is the stage's token stream, for
+    the real tokenizer and chat-formatted text: the conversations and the prose between EOS tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t[:200]}], tokenize=False) for t in real_text]
+    documents = [text for pair in zip(chats[:40], real_text[40:80]) for text in pair]
+    tokens = token_stream(documents, tokenizer, 8192).view(32, 256)
+    written = write_joint_text(tmp_path / JOINT_TEXT, tokens, tokenizer)
+    read = [json.loads(line)["text"] for line in (tmp_path / JOINT_TEXT).read_text().splitlines()]
+    assert written == len(read) > 40
+    torch.testing.assert_close(token_stream(read, tokenizer, 8192), tokens.flatten())

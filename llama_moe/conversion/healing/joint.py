@@ -13,10 +13,14 @@ stage that ends further from the dense model than it began says so as a warning.
 
     heal_jointly(student, teacher, input_ids, lr)    trains a model in memory (`build_moe`: heal_built_model)
     heal_folder_jointly(folder, teacher, ...)        the same for a written folder (`llama-moe convert`)
+    write_joint_text(path, input_ids, tokenizer)     where it does not fit in one process: its tokens as text,
+    recipe_command(folder, text, recipe)             and the command that runs it as the training recipe
 """
 
+import json
 import logging
 import math
+import shlex
 import time
 
 import torch
@@ -192,3 +196,44 @@ def heal_folder_jointly(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return info
+
+
+JOINT_TEXT = ".joint-heal-text.jsonl"  # hidden: `llama-moe push` leaves it out
+RECIPE = "recipes/pretrain/joint-heal.yaml"
+
+
+def write_joint_text(path, input_ids: torch.Tensor, tokenizer) -> int:
+    """The joint stage's `[B, S]` tokens as JSON lines of text (the recipes' `--domains` format): one document per
+    piece between EOS tokens, so that the recipes' packing (each document followed by EOS) gives the stream again.
+    Returns the documents written."""
+    ids, eos = input_ids.flatten().tolist(), tokenizer.eos_token_id
+    pieces, start = [], 0
+    for position, token in enumerate(ids):
+        if token == eos:
+            pieces.append(ids[start:position])
+            start = position + 1
+    pieces.append(ids[start:])
+    documents = [tokenizer.decode(piece) for piece in pieces if piece]
+    with open(path, "w", encoding="utf-8") as file:
+        file.writelines(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in documents)
+    return len(documents)
+
+
+def recipe_command(folder, text, recipe, sequences: int) -> str:
+    """The `recipes/continual_pretrain.py` command that runs the joint stage `heal_jointly` would have run on
+    `folder` (into `folder`-joint): the same batches of 4 sequences, steps, warm-up, learning rate and KL weight, on
+    the stage's text `text` (`write_joint_text` of its `sequences`); the teacher is the folder's recorded source."""
+    batches = math.ceil(sequences / BATCH_SEQUENCES)
+    steps = batches - 1 if batches > 1 else 1  # the last batch held back
+    flags = {
+        "--config": RECIPE,
+        "--model_name_or_path": str(folder),
+        "--output_dir": f"{folder}-joint",
+        "--domains": f"calibration={text}",
+        "--seq_len": recipe.calibration_seq_len,
+        "--max_steps": steps,
+        "--warmup_steps": max(1, round(WARMUP_SHARE * steps)),
+        "--learning_rate": recipe.joint_heal_lr,
+        "--distill_alpha": recipe.joint_heal_kl_weight,
+    }
+    return "python recipes/continual_pretrain.py " + " ".join(f"{k} {shlex.quote(str(v))}" for k, v in flags.items())
