@@ -153,6 +153,11 @@ class CalibrationContext:
     def request_sequence_embeddings(self) -> None:
         self._embeddings_requested = True
 
+    @property
+    def requested(self) -> bool:
+        """Whether statistics were asked for: `collect` runs a calibration pass over the dense model."""
+        return bool(self._mlp_requests or self._attention_requests or self._embeddings_requested)
+
     def collect(self) -> None:
         """Record everything requested and not recorded yet, in one pass (nothing to do: no model is loaded)."""
         stats = self.statistics

@@ -4,7 +4,7 @@ Each stage's peak, from the plan's shapes (bytes; P = parameters, L = layers, H 
 N = calibration tokens, float32 compute):
 
     text         the whole dense model, P_dense x 4, when the dense model writes the calibration text (`builtin:chat`)
-    calibration  the largest decoder layer x 4, the states N x H x 4 three times (input, output, gradient), a
+    calibration  (where a component asks for statistics or back-propagates) the largest decoder layer x 4, the states N x H x 4 three times (input, output, gradient), a
                  gradient pass's kept layer inputs L x N x H x 4 (on disk instead when over a quarter of the free
                  memory: `--offload-dir`), one batch's logits and their gradient (batch x S x V x 12) and the MLP input
                  samples (samples x H x 4 per MoE layer)
@@ -76,18 +76,20 @@ class Stage:
     flops: float = 0.0  # float32 FLOPs of its compute (0: not forecast)
 
 
-def forecast(plan, available: float, dtype_bytes: int) -> list[Stage]:
+def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -> list[Stage]:
     """The stages `plan`'s conversion runs, each with its peak memory and disk; `available`: the free memory, which
-    decides whether a gradient pass's layer inputs stay in memory; `dtype_bytes`: the output's bytes per weight."""
+    decides whether a gradient pass's layer inputs stay in memory; `dtype_bytes`: the output's bytes per weight;
+    `requested`: the components asked for calibration statistics (else only a gradient pass calibrates)."""
     recipe, dense = plan.recipe, plan.dense_config
     counts = parameter_counts(dense)
     overhead = OVERHEAD["cpu"]
     stages = []
-    reads_text = recipe.heal_tokens or recipe.joint_heal_tokens or recipe.calibration_tokens
-    if recipe.calibration_data in SELF_MADE and reads_text:
+    calibrates = requested or any(method.gradient_pass for method, _ in plan.components.values())
+    if recipe.calibration_data in SELF_MADE and (recipe.heal_tokens or recipe.joint_heal_tokens or calibrates):
         stages.append(Stage("text", overhead + FP32 * counts.total, "--calibration-data FILE (text of your own)"))
-    samples = _samples(plan)
-    stages.append(_calibration(plan, counts, available, overhead + samples))
+    samples = _samples(plan) if requested else 0.0
+    if calibrates:
+        stages.append(_calibration(plan, counts, available, overhead + samples))
     output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
     folder = Path(plan.run.output).expanduser().resolve().parent if plan.run.output else None
     if recipe.heal_tokens:

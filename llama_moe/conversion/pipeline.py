@@ -71,7 +71,6 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     check_not_source(output, source)
     source.check_complete()
     plan = ConversionPlan.create(recipe, source.config, run, resolved=resolved)
-    check_memory(plan, run, source.dtype)
     context = CalibrationContext(
         plan.recipe,
         source.load_model,
@@ -82,6 +81,8 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
         source=source,
         offload_dir=run.offload_dir,
     )
+    plan.request(context)
+    check_memory(plan, run, source.dtype, context.requested)
     plan.prepare(context)
     context.release()  # the write streams: about one decoder layer in memory
     if context.text_seconds:  # made during the calibration and on release: a stage of its own
@@ -100,10 +101,10 @@ def convert(recipe: MoERecipe, run: RunOptions, *, download=None, hub_api=None, 
     return result
 
 
-def check_memory(plan, run: RunOptions, source_dtype) -> None:
+def check_memory(plan, run: RunOptions, source_dtype, requested: bool = True) -> None:
     """The memory, disk and time forecast of each stage (`forecast.py`), before any weight is read: one ValueError
     where a stage will not fit, unless `run.force`; logged (for a run of a few seconds only at debug level), and kept
-    in `conversion_info`."""
+    in `conversion_info`. `requested`: the components asked for calibration statistics (`plan.request`)."""
     import torch
 
     from ..footprint import GIB, available_bytes
@@ -111,7 +112,7 @@ def check_memory(plan, run: RunOptions, source_dtype) -> None:
 
     available = available_bytes("cpu")
     dtype = getattr(torch, run.dtype) if run.dtype else source_dtype
-    stages = defer_joint_stage(plan, forecast(plan, available, dtype.itemsize), available)
+    stages = defer_joint_stage(plan, forecast(plan, available, dtype.itemsize, requested), available)
     check_forecast(stages, available, run.force)
     dense = plan.dense_config
     rate = matmul_rate(run.device or default_device(), 512, dense.hidden_size, dense.intermediate_size)

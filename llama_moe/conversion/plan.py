@@ -3,6 +3,7 @@
 resolve_recipe(recipe, run=run)         the settings checked (`settings.py`) and defaults filled, before the source
 ConversionPlan.create(recipe, config)   completed for the source (`resolve_for_model`); the components of each
                                         target, the output config and tensor shapes
+plan.request(context)                   what every component asks of the calibration (the forecast reads it)
 plan.prepare(context)                   every calibration pass, once, before the write
 plan.tensors(source, context)           the output checkpoint's tensors, one decoder layer at a time
 """
@@ -218,6 +219,7 @@ class ConversionPlan:
     healer: object = None  # `healing.LayerHealer` of the write, when the recipe heals
     forecast: dict | None = None  # each stage's forecast memory and disk (`forecast.py`), in `conversion_info`
     joint_deferred: object = None  # the joint stage's `forecast.Stage`, where it is left to a training run
+    requested: bool = False  # the components have asked the calibration context for their statistics
     # each stage's expected and measured seconds: logged at the end, not saved (the config is the same on a rerun)
     expected_seconds: dict = dataclasses.field(default_factory=dict)
     stage_seconds: dict = dataclasses.field(default_factory=dict)
@@ -264,15 +266,22 @@ class ConversionPlan:
         if self.config.tie_word_embeddings:
             self.expected.pop("lm_head.weight", None)
 
-    def prepare(self, context) -> None:
-        """Every component asks for its statistics, one calibration pass records them all, then the components
-        compute what the layers need (gradient passes and k-means included). The caller releases the model."""
-        start = time.perf_counter()
+    def request(self, context) -> None:
+        """Every component asks `context` for its statistics (nothing is computed yet), once."""
+        if self.requested:
+            return
         for method, router in self.components.values():
             method.request(context)
             router.request(context)
         if self.recipe.compensation:  # each expert's mean output: the layers' mean activations
             context.request_mlp(self.targets[MLP].layers)
+        self.requested = True
+
+    def prepare(self, context) -> None:
+        """The requests (`request`), one calibration pass recording them all, then the components compute what the
+        layers need (gradient passes and k-means included). The caller releases the model."""
+        start = time.perf_counter()
+        self.request(context)
         context.collect()
         for method, router in self.components.values():
             method.prepare(context)

@@ -509,6 +509,21 @@ def test_the_forecast_counts_the_gradient_passes_the_calibration_runs(workspace,
     shutil.rmtree(result.output_dir)
 
 
+@pytest.mark.parametrize(
+    ("method", "stages"), [("random", {"write"}), ("cluster", {"write"}), ("residual", {"calibration", "write"})]
+)
+def test_the_forecast_has_a_calibration_stage_only_where_the_conversion_calibrates(workspace, method, stages):
+    """k-means on the weights (`cluster`'s default) and random splits read no calibration text; `residual` does."""
+    dense_path, out_root = workspace
+    shared = dict(num_shared_experts=1) if method == "residual" else {}
+    fields = dict(method=method, num_experts=2, top_k=1, calibration_tokens=256, calibration_seq_len=32, **shared)
+    result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, **fields)
+    info = json.loads((result.output_dir / "config.json").read_text())["conversion_info"]
+    assert set(info["forecast"]["memory_gib"]) == stages
+    assert ("calibration_data" in info) == ("calibration" in stages)
+    shutil.rmtree(result.output_dir)
+
+
 def test_missing_source(workspace):
     _, out_root = workspace
     with pytest.raises(FileNotFoundError, match="does not exist"):
