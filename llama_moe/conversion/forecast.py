@@ -47,6 +47,7 @@ memory, and records the memory and disk in `conversion_info`.
 
 import dataclasses
 import functools
+import logging
 import math
 import shutil
 import tempfile
@@ -61,7 +62,9 @@ from .registry import count_parameters
 from .statistics import IN_MEMORY_SHARE
 from .target import MLP
 
+logger = logging.getLogger(__name__)
 FP32 = 4
+SAY_SECONDS = 10  # stages expected to take less go without their forecast line
 HEAL_STATES = 5  # [tokens, H] float32 tensors the layer healer holds at once
 LOGIT_BYTES = 12  # float32 logits, their log-softmax and gradient, per vocabulary entry
 
@@ -86,12 +89,12 @@ def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -
     stages = []
     calibrates = requested or any(method.gradient_pass for method, _ in plan.components.values())
     if recipe.calibration_data in SELF_MADE and (recipe.heal_tokens or recipe.joint_heal_tokens or calibrates):
-        stages.append(Stage("text", overhead + FP32 * counts.total, "--calibration-data FILE (text of your own)"))
+        stages.append(_text(counts))
     samples = _samples(plan) if requested else 0.0
     if calibrates:
         stages.append(_calibration(plan, counts, available, overhead + samples))
     output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
-    folder = Path(plan.run.output).expanduser().resolve().parent if plan.run.output else None
+    folder = _output_parent(plan)
     if recipe.heal_tokens:
         progress = _healing_progress(plan)
         stages.append(_layer_heal(plan, counts, overhead + samples, output + progress, folder))
@@ -102,6 +105,25 @@ def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -
     if recipe.joint_heal_tokens:
         stages.append(_joint_heal(plan, counts, 2 * output + progress, folder))
     return stages
+
+
+def heal_forecast(plan, dtype_bytes: int) -> list[Stage]:
+    """`llama-moe heal`'s stages (`plan`: the folder's recipe with the heal settings, `run.output` the heal's
+    output): the text the teacher makes, where the recipe's data is `builtin:chat` and the like, and the layer heal,
+    its output and resume files on disk."""
+    counts = parameter_counts(plan.dense_config)
+    stages = [_text(counts)] if plan.recipe.calibration_data in SELF_MADE else []
+    output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
+    disk = output + _healing_progress(plan)
+    return stages + [_layer_heal(plan, counts, OVERHEAD["cpu"], disk, _output_parent(plan))]
+
+
+def _text(counts) -> Stage:
+    return Stage("text", OVERHEAD["cpu"] + FP32 * counts.total, "--calibration-data FILE (text of your own)")
+
+
+def _output_parent(plan) -> Path | None:
+    return Path(plan.run.output).expanduser().resolve().parent if plan.run.output else None
 
 
 def _samples(plan) -> float:
@@ -215,6 +237,16 @@ def _duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def report(stages: list[Stage], available: float, device: str, dense_config) -> float:
+    """Log the forecast line (`describe`): at INFO where the stages are expected to take `SAY_SECONDS` or more or
+    one needs over half the free memory, else at DEBUG. Returns the matmul rate the times were forecast at."""
+    rate = matmul_rate(device, 512, dense_config.hidden_size, dense_config.intermediate_size)
+    expected = sum(seconds(stage, rate) or 0.0 for stage in stages)
+    worth_saying = expected >= SAY_SECONDS or max(stage.peak for stage in stages) > available / 2
+    logger.log(logging.INFO if worth_saying else logging.DEBUG, describe(stages, available, rate))
+    return rate
 
 
 def disk_free(folder: Path) -> float:

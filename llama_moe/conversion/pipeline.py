@@ -23,7 +23,6 @@ from .registry import count_parameters
 from .settings import RunOptions
 
 logger = logging.getLogger(__name__)
-SAY_FORECAST_SECONDS = 10  # a conversion expected to take less goes without its forecast line
 
 
 @dataclass
@@ -108,17 +107,13 @@ def check_memory(plan, run: RunOptions, source_dtype, requested: bool = True) ->
     import torch
 
     from ..footprint import GIB, available_bytes
-    from .forecast import check_forecast, describe, forecast, matmul_rate, seconds
+    from .forecast import check_forecast, forecast, report, seconds
 
     available = available_bytes("cpu")
     dtype = getattr(torch, run.dtype) if run.dtype else source_dtype
     stages = defer_joint_stage(plan, forecast(plan, available, dtype.itemsize, requested), available)
     check_forecast(stages, available, run.force)
-    dense = plan.dense_config
-    rate = matmul_rate(run.device or default_device(), 512, dense.hidden_size, dense.intermediate_size)
-    expected = sum(seconds(stage, rate) or 0.0 for stage in stages)
-    worth_saying = expected >= SAY_FORECAST_SECONDS or max(stage.peak for stage in stages) > available / 2
-    logger.log(logging.INFO if worth_saying else logging.DEBUG, describe(stages, available, rate))
+    rate = report(stages, available, run.device or default_device(), plan.dense_config)
     plan.forecast = {
         "memory_gib": {stage.name: round(stage.peak / GIB, 2) for stage in stages},
         "disk_gib": {stage.name: round(stage.disk / GIB, 3) for stage in stages if stage.disk},
@@ -172,8 +167,10 @@ def log_stage_times(plan) -> None:
         f"{name} {took:.1f}" + (f" ({expected[name]:.1f})" if name in expected else "")
         for name, took in plan.stage_seconds.items()
     ]
+    from .forecast import SAY_SECONDS
+
     rate = expected.get("matmul GFLOP/s")
-    level = logging.INFO if sum(plan.stage_seconds.values()) >= SAY_FORECAST_SECONDS else logging.DEBUG
+    level = logging.INFO if sum(plan.stage_seconds.values()) >= SAY_SECONDS else logging.DEBUG
     rate = f"; matmul {rate:.1f} GFLOP/s" if rate else ""
     logger.log(level, "Stage times (s; forecast in brackets): %s%s.", ", ".join(shown), rate)
 

@@ -462,7 +462,7 @@ def test_a_conversion_that_will_not_fit_stops_before_reading_a_weight(workspace,
     assert reads == [] and not any(out_root.iterdir())
     monkeypatch.undo()
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
-    with caplog.at_level("DEBUG", logger="llama_moe.conversion.pipeline"):
+    with caplog.at_level("DEBUG", logger="llama_moe.conversion"):
         result = convert_to_moe(dense_path, out_root / "moe", progress=False, eval=False, force=True, **healed)
     assert re.search(
         r"Forecast: calibration 1\.0 GiB ~\d+ s, layer heal 1\.0 GiB ~\d+ s, joint heal 1\.\d GiB", caplog.text

@@ -4,6 +4,7 @@ one run or in two, deterministic, resumable after an interruption, closer to the
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,20 @@ def test_the_routing_energy_is_what_each_token_loses_without_each_expert():
         1,
     )
     torch.testing.assert_close(healing_layer._energy(block, states), expected)
+
+
+def test_a_heal_says_its_forecast_and_stops_where_it_will_not_fit(healed, tmp_path, monkeypatch, capsys, caplog):
+    """`llama-moe heal` forecasts its layer heal (memory, time, disk) before any weight is read, and stops with one
+    line where it will not fit; --force heals anyway."""
+    from llama_moe import footprint
+
+    root, plain, _ = healed
+    argv = ["heal", str(plain), "--output", str(tmp_path / "out"), "--heal-tokens", "256", "--no-progress"]
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 0.5 * footprint.GIB)
+    assert main(argv) == 2
+    assert one_error_line(capsys).startswith("error: The layer heal stage needs about 1.0 GiB and 0.5 GiB is free")
+    assert not (tmp_path / "out").exists()
+    with caplog.at_level("DEBUG", logger="llama_moe.conversion.forecast"):
+        assert main([*argv, "--force"]) == 0
+    forecast = rf"Forecast: layer heal 1\.0 GiB ~\d+ s \(free 0\.5 GiB\); on disk: layer heal 0\.0 GiB in {tmp_path}\."
+    assert re.search(forecast, caplog.text) and (tmp_path / "out" / "model.safetensors").is_file()

@@ -47,6 +47,9 @@ class HealOptions:
     device: str | None = field(default=None, metadata={"help": "device (default: cuda if available, else cpu)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder at the end"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
+    force: bool = field(
+        default=False, metadata={"help": "heal even where the forecast says it will not fit in the free memory or disk"}
+    )
 
 
 def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
@@ -70,10 +73,26 @@ def heal_folder(folder, options: HealOptions, *, download=None) -> Path:
 
     # The heal settings checked like a conversion's; the target's default depends on the family.
     recipe = replace(recipe, heal_target=resolve_recipe(recipe).heal_target)
+    check_forecast(recipe, run, teacher, moe.dtype, output, options)
     state_dir = state_dir_for(output)
     _write(moe, teacher, recipe, run, options, output, state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     return output
+
+
+def check_forecast(recipe, run: dict, teacher, dtype, output: Path, options: HealOptions) -> None:
+    """The heal's memory, disk and time forecast (`forecast.heal_forecast`, on the plan the folder's recipe gives
+    for its teacher), logged; one ValueError where a stage will not fit, unless `--force`."""
+    from ...devices import default_device
+    from ...footprint import available_bytes
+    from .. import forecast
+    from ..plan import ConversionPlan
+
+    plan = ConversionPlan.create(recipe, teacher.config, RunOptions(**{**run, "output": str(output)}))
+    available = available_bytes("cpu")
+    stages = forecast.heal_forecast(plan, dtype.itemsize)
+    forecast.check_forecast(stages, available, options.force)
+    forecast.report(stages, available, options.device or default_device(), plan.dense_config)
 
 
 def _folder_recipe(folder: Path):
