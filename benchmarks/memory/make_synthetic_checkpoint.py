@@ -2,6 +2,7 @@
 
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama7b --shape 7b --dtype bfloat16
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama1b --shape 1b --tokenizer default
+    python benchmarks/memory/make_synthetic_checkpoint.py /tmp/synth8b --shape 8b --tokenizer default
 
 `--tokenizer FOLDER` (`default`: the built-in model's) copies a tokenizer beside the weights, the vocabulary widened
 to hold its ids, so that conversions which read text (calibration, healing) run on the checkpoint.
@@ -20,6 +21,14 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 SHAPES = {
+    "8b": dict(  # Llama-3-8B
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
     "7b": dict(
         hidden_size=4096,
         intermediate_size=11008,
