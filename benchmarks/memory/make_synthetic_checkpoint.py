@@ -3,6 +3,10 @@
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama7b --shape 7b --dtype bfloat16
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/llama1b --shape 1b --tokenizer default
     python benchmarks/memory/make_synthetic_checkpoint.py /tmp/synth8b --shape 8b --tokenizer default
+    python benchmarks/memory/make_synthetic_checkpoint.py /tmp/synth8b2 --shape 8b --layers 2 --tokenizer default
+
+`--layers N` keeps the shape's layers but N of them: a conversion's time and memory per layer in minutes (its peak
+and per-layer time are the whole model's, the totals scale with the layers).
 
 `--tokenizer FOLDER` (`default`: the built-in model's) copies a tokenizer beside the weights, the vocabulary widened
 to hold its ids, so that conversions which read text (calibration, healing) run on the checkpoint.
@@ -72,9 +76,13 @@ def layer_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def write_checkpoint(out: Path, shape: str, dtype: torch.dtype, layers_per_shard: int, tokenizer=None) -> None:
+def write_checkpoint(
+    out: Path, shape: str, dtype: torch.dtype, layers_per_shard: int, tokenizer=None, layers: int | None = None
+) -> None:
     out.mkdir(parents=True, exist_ok=False)
     fields = dict(SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
     if tokenizer is not None:
         fields["vocab_size"] = max(fields["vocab_size"], _copy_tokenizer(Path(tokenizer), out))
     config = LlamaConfig(**fields, tie_word_embeddings=False)
@@ -123,6 +131,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--layers-per-shard", type=int, default=2)
+    parser.add_argument("--layers", type=int, help="this many decoder layers instead of the shape's")
     parser.add_argument(
         "--tokenizer", help="a folder whose tokenizer to copy beside the weights (default: the built-in model's)"
     )
@@ -132,7 +141,7 @@ def main() -> None:
         from llama_moe.checkpoints.default import default_model_path
 
         tokenizer = default_model_path()
-    write_checkpoint(args.output, args.shape, getattr(torch, args.dtype), args.layers_per_shard, tokenizer)
+    write_checkpoint(args.output, args.shape, getattr(torch, args.dtype), args.layers_per_shard, tokenizer, args.layers)
 
 
 if __name__ == "__main__":

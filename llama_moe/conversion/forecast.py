@@ -8,8 +8,9 @@ N = calibration tokens, float32 compute):
                  gradient pass's kept layer inputs L x N x H x 4 (on disk instead when over a quarter of the free
                  memory: `--offload-dir`), one batch's logits and their gradient (batch x S x V x 12) and the MLP input
                  samples (samples x H x 4 per MoE layer)
-    layer heal   the dense and the MoE layer x 4, the MoE block's AdamW state and gradient x 12, the healing states
-                 (heal tokens x H x 4, five of them: input, attended, target, output and the dense stream)
+    layer heal   the dense layer as read, the converted one as written and in float32, the MoE block's Adam state
+                 and gradient x 12, the healing states (heal tokens x H x 4, five of them: input, attended, target,
+                 output and the dense stream)
     joint heal   `footprint.estimate_footprint` of the converted model trained whole with AdamW in float32
                  on batches of 4 calibration sequences, the dense model beside it as the teacher
 
@@ -21,14 +22,15 @@ for causal attention; A = an MoE MLP's active parameters; E = heal epochs; T = h
     calibration  N x L x F for the statistics pass; each method that back-propagates (`gradient_pass`) adds a pass
                  keeping the layer inputs and one back down, 3 x N x L x F, and the loss's gradient, 4 x N x H x V
     layer heal   T x L x F for the states and targets (twice under `heal_target: stream`), and per MoE layer
-                 T x A x (6 E + 3): E passes of Adam's forward and backward, the error before and after, the outputs
+                 T x A x (6 E + 3): E passes of Adam's forward and backward, the error before and after, the outputs;
+                 with the routing term (`heal_routing_weight`), 2 x T x E x R for its target, the output of every
+                 routed expert (R: their parameters) on every batch
     joint heal   J x (6 x the student's active parameters + 2 x the dense model's): forward and backward of the
                  student, forward of the teacher
 
-A stage's expected time is its FLOPs over the machine's float32 matmul rate (`matmul_rate`: a product of the
-model's MLP shape timed for a quarter of a second on the compute device), divided by the share of that rate the
-stage's code reaches (`EFFICIENCY`: one half, chosen before measuring; docs/benchmarks.md compares forecast and
-measured times on SmolLM2-135M and a 1.2B shape).
+A stage's expected time is its FLOPs over the machine's float32 matmul rate (`matmul_rate`: the fastest product of
+the model's hidden size by up to 1024 of its MLP's columns on the compute device, over a second where the run is
+long), divided by the share of that rate the stage's code reaches (`EFFICIENCY`, measured: see there).
 
 What each stage holds on disk at its peak (bytes), checked against the free space where it writes:
 
@@ -97,7 +99,7 @@ def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -
     folder = _output_parent(plan)
     if recipe.heal_tokens:
         progress = _healing_progress(plan)
-        stages.append(_layer_heal(plan, counts, overhead + samples, output + progress, folder))
+        stages.append(_layer_heal(plan, counts, overhead + samples, output + progress, folder, dtype_bytes))
     else:
         memory = overhead + samples + 2 * FP32 * counts.largest_layer
         progress = 0.0
@@ -115,7 +117,7 @@ def heal_forecast(plan, dtype_bytes: int) -> list[Stage]:
     stages = [_text(counts)] if plan.recipe.calibration_data in SELF_MADE else []
     output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
     disk = output + _healing_progress(plan)
-    return stages + [_layer_heal(plan, counts, OVERHEAD["cpu"], disk, _output_parent(plan))]
+    return stages + [_layer_heal(plan, counts, OVERHEAD["cpu"], disk, _output_parent(plan), dtype_bytes)]
 
 
 def _text(counts) -> Stage:
@@ -161,6 +163,12 @@ def _active_mlp(plan, layer_idx: int) -> int:
     return count_parameters(plan.config, {k: v for k, v in plan.expected.items() if k.startswith(prefix)})[1]
 
 
+def _routed_mlp(plan, layer_idx: int) -> int:
+    """The routed experts' parameters in layer `layer_idx`."""
+    prefix = f"model.layers.{layer_idx}.mlp.experts."
+    return sum(math.prod(shape) for name, shape in plan.expected.items() if name.startswith(prefix))
+
+
 def _healing_progress(plan) -> float:
     """The layer healer's files at their largest: every layer's healed MLP in float32, the heal states twice."""
     mlp = sum(math.prod(shape) for name, shape in plan.expected.items() if ".mlp." in name)
@@ -173,13 +181,16 @@ def _streams(recipe) -> int:
     return 2 if recipe.heal_target == "stream" else 1
 
 
-def _layer_heal(plan, counts, overhead: float, disk: float, folder) -> Stage:
+def _layer_heal(plan, counts, overhead: float, disk: float, folder, dtype_bytes: int) -> Stage:
     r, layers = plan.recipe, plan.dense_config.num_hidden_layers
     states = r.heal_tokens * plan.dense_config.hidden_size * FP32
-    peak = overhead + (2 * FP32 + 12) * counts.largest_layer + HEAL_STATES * states
+    source_bytes = getattr(plan.dense_config.dtype, "itemsize", FP32)  # a torch dtype, or unset: float32
+    peak = overhead + (source_bytes + dtype_bytes + FP32 + 12) * counts.largest_layer + HEAL_STATES * states
     moe = plan.targets[MLP].layers if MLP in plan.targets else ()
     flops = _streams(r) * r.heal_tokens * layers * _layer_flops(plan, counts)
     flops += r.heal_tokens * (6 * r.heal_epochs + 3) * sum(_active_mlp(plan, i) for i in moe)
+    if r.heal_routing_weight:  # the routing term's target: every routed expert's output on every batch
+        flops += 2 * r.heal_tokens * r.heal_epochs * sum(_routed_mlp(plan, i) for i in moe)
     return Stage("layer heal", peak, "--heal-tokens", disk, folder, flops)
 
 
@@ -193,25 +204,28 @@ def _joint_heal(plan, counts, disk: float, folder) -> Stage:
     return Stage("joint heal", total, "", disk, folder, flops)  # too large: left to a training run, not refused
 
 
-# The share of the matmul rate each stage's code reaches: its attention, norms, routing and optimizer, and the
-# transfers between layers, are not matmuls (benchmarks/memory/forecast_check.py measures it)
-EFFICIENCY = {"calibration": 0.5, "layer heal": 0.5, "joint heal": 0.5}
+# The share of the matmul rate each stage's code reaches: its attention, norms, routing, optimizer and the
+# transfers between layers are not matmuls. Set from benchmarks/memory/forecast_check.py on SmolLM2-135M and two
+# layers of Llama-3-8B's shape; the whole 8B shape and the 1.2B one confirm it (docs/benchmarks.md).
+EFFICIENCY = {"calibration": 0.6, "layer heal": 0.45, "joint heal": 0.5}
 
 
 @functools.cache
-def matmul_rate(device: str, rows: int, inner: int, cols: int, budget: float = 0.25) -> float:
-    """Float32 FLOP/s of `[rows, inner] @ [inner, cols]` on `device`, timed over about `budget` seconds after one
-    warm-up product (once per process and shape)."""
+def matmul_rate(device: str, rows: int, inner: int, cols: int, budget: float) -> float:
+    """Float32 FLOP/s of `[rows, inner] @ [inner, cols]` on `device`: the fastest of the products timed over about
+    `budget` seconds after one warm-up product (once per process, shape and budget). The fastest, not the mean: on a
+    shared 2-core machine one product's rate swings by a third from the next."""
     import torch
 
     a = torch.randn(rows, inner, device=device)
     b = torch.randn(inner, cols, device=device)
     (a @ b).sum().item()  # warm-up; .item() waits for a GPU
-    products, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < budget:
+    fastest, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < budget:
+        began = time.perf_counter()
         (a @ b).sum().item()
-        products += 1
-    return 2 * rows * inner * cols * products / elapsed
+        fastest = min(fastest, time.perf_counter() - began)
+    return 2 * rows * inner * cols / fastest
 
 
 def seconds(stage: Stage, rate: float) -> float | None:
@@ -241,8 +255,14 @@ def _duration(seconds: float) -> str:
 
 def report(stages: list[Stage], available: float, device: str, dense_config) -> float:
     """Log the forecast line (`describe`): at INFO where the stages are expected to take `SAY_SECONDS` or more or
-    one needs over half the free memory, else at DEBUG. Returns the matmul rate the times were forecast at."""
-    rate = matmul_rate(device, 512, dense_config.hidden_size, dense_config.intermediate_size)
+    one needs over half the free memory, else at DEBUG. Returns the matmul rate the times were forecast at: a glance
+    of 50 ms, and where that says the run takes over a minute the rate measured over a second (a short dip of a shared
+    machine would set the forecast for an hour)."""
+    # at most 1024 of the MLP's columns: dozens of products a second at any width (8B's whole MLP: one in 0.4 s)
+    shape = (512, dense_config.hidden_size, min(dense_config.intermediate_size, 1024))
+    rate = matmul_rate(device, *shape, budget=0.05)
+    if sum(seconds(stage, rate) or 0.0 for stage in stages) > 6 * SAY_SECONDS:
+        rate = matmul_rate(device, *shape, budget=1.0)
     expected = sum(seconds(stage, rate) or 0.0 for stage in stages)
     worth_saying = expected >= SAY_SECONDS or max(stage.peak for stage in stages) > available / 2
     logger.log(logging.INFO if worth_saying else logging.DEBUG, describe(stages, available, rate))

@@ -240,4 +240,3 @@ class LlamaMoEExpertChoiceRouter(LlamaMoETopKRouter):
         probs = F.softmax(router_logits, dim=-1).t()  # [E, T]
         weights, token_index = torch.topk(probs, self.capacity(probs.shape[1]), dim=-1)  # [E, C] each
         return router_logits, weights, token_index
-

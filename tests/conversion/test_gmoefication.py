@@ -146,6 +146,27 @@ def selector_problem(seed=0, num_tokens=2400):
     return hidden, energy
 
 
+def test_deviation_energy_is_the_same_in_its_gram_and_direct_forms(monkeypatch):
+    # The Gram form (many tokens) and the direct projection (healing's few tokens of a wide layer) are one quantity,
+    # with a trained compensation row as the offset.
+    assert g._gram_saves(32768, 576, 192) and not g._gram_saves(512, 4096, 1792)  # SmolLM2's calibration; 8B healing
+    config = moe_config()
+    mlp = dense_mlp(config, 0)
+    split = split_random(config.intermediate_size, NUM_EXPERTS, seed=0)
+    tensors = build_expert_tensors(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, split)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(700, config.hidden_size, generator=generator)
+    mean = torch.randn(NUM_EXPERTS, split.expert_neurons.shape[1], generator=generator)
+    offset = torch.randn(NUM_EXPERTS, config.hidden_size, generator=generator)
+    args = hidden, tensors["experts.gate_up_proj"], tensors["experts.down_proj"], mean, offset
+    with torch.no_grad():
+        energies = []
+        for gram in (True, False):
+            monkeypatch.setattr(g, "_gram_saves", lambda *shape, gram=gram: gram)
+            energies.append(g.deviation_energy(*args))
+    torch.testing.assert_close(energies[0], energies[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("objective, max_excess", [("listwise", 0.7), ("bce", 0.8)])
 def test_selector_trains_deterministically_and_beats_a_random_router(objective, max_excess):
     hidden, energy = selector_problem()

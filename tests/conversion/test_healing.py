@@ -87,6 +87,21 @@ def test_converting_and_healing_in_one_run_or_two_give_the_same_weights(healed, 
     assert "## Healing" in (tmp_path / "later" / "README.md").read_text()
 
 
+def test_a_layer_that_training_makes_worse_keeps_the_weights_it_was_given(healed, tmp_path, monkeypatch):
+    _, plain, _ = healed
+
+    def spoil(block, *args):  # a step far too large
+        with torch.no_grad():
+            for parameter in block.parameters():
+                parameter.add_(torch.randn_like(parameter))
+
+    monkeypatch.setattr(healing_layer, "_train_block", spoil)
+    heal_folder(plain, HealOptions(output=str(tmp_path / "out"), **HEAL, progress=False))
+    report = load_moe(tmp_path / "out").config.conversion_info["healing"]
+    assert report["kept_layers"] == [0, 1] and report["error_after"] == report["error_before"]
+    assert_same_tensors(tmp_path / "out", plain)
+
+
 def test_an_interrupted_heal_resumes_at_the_next_layer_and_ends_the_same(healed, tmp_path, monkeypatch):
     _, plain, result = healed
     trained = interrupt_the_first_training_of_layer_one(monkeypatch)

@@ -111,8 +111,11 @@ class LayerHealer:
             attended = self._attend(layer, self.hidden)
             inputs = layer.post_attention_layernorm(attended).flatten(0, 1)  # [T, H]
             targets = self._targets(layer, inputs, attended, dense)
+        start = {k[len("mlp.") :]: v for k, v in tensors.items() if k.startswith("mlp.")}  # what the block loaded
         outputs = (
-            self._train(layer_idx, layer.mlp, inputs, targets) if _is_moe(layer.mlp) else _batched(layer.mlp, inputs)
+            self._train(layer_idx, layer.mlp, inputs, targets, start)
+            if _is_moe(layer.mlp)
+            else _batched(layer.mlp, inputs)
         )
         self.hidden = attended + outputs.view_as(attended)
         healed = {f"mlp.{k}": v.detach().cpu() for k, v in layer.mlp.state_dict().items()}
@@ -120,9 +123,10 @@ class LayerHealer:
             self._save(layer_idx, healed)
         return {**tensors, **healed}
 
-    def _train(self, layer_idx: int, block, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Train the MoE block and record its relative error before and after; its outputs on `inputs` (`[T, H]`)."""
-        start = {k: v.clone() for k, v in block.state_dict().items()}
+    def _train(self, layer_idx: int, block, inputs: torch.Tensor, targets: torch.Tensor, start: dict) -> torch.Tensor:
+        """Train the MoE block and record its relative error before and after; its outputs on `inputs` (`[T, H]`).
+        start: the tensors the block was loaded from, which it goes back to where training made it worse (loading
+        them again gives the same float32 weights, without a copy of the block held through training)."""
         before = _relative_error(_batched(block, inputs), targets)
         _train_block(block, inputs, targets, self.settings, layer_idx)
         outputs = _batched(block, inputs)

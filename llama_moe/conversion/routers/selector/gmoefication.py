@@ -47,22 +47,45 @@ def deviation_energy(
 
     Pass `expert_mean = 0` for the error of dropping an expert without compensation, and `output_offset` for a
     compensation row that is not `down_e mu_e` (trained, as healing trains it). Computed in float32, in chunks
-    of tokens so that the `[t, E, m]` intermediates stay small for long calibration samples. The squared norm is
-    `d^T (down_e^T down_e) d - 2 d . down_e^T c_e + |c_e|^2` with the `[E, m, m]` Gram matrices: m x m instead of
-    H x m multiply-adds per token and expert (a third of them on SmolLM2 with 8 experts, whose m = 192 against
-    H = 576).
+    of tokens so that the `[t, E, m]` intermediates stay small for long calibration samples. Where it saves work the
+    squared norm is `d^T (down_e^T down_e) d - 2 d . down_e^T c_e + |c_e|^2` with the `[E, m, m]` Gram matrices: m x m
+    instead of H x m multiply-adds per token and expert (a third of them on SmolLM2 with 8 experts, whose m = 192
+    against H = 576), for H x m x m once; on few tokens of a wide model (healing's batches of Llama-3-8B's layers,
+    m = 1792, H = 4096) the Gram matrices cost more than they save and the output error is projected directly.
     """
     gate_up_proj, down_proj = gate_up_proj.float(), down_proj.float()
     expert_mean = expert_mean.to(gate_up_proj.device, torch.float32)
-    gram = down_proj.transpose(1, 2) @ down_proj  # [E, m, m]
     offset = torch.zeros_like(down_proj[:, :, 0]) if output_offset is None else output_offset.float()  # [E, H]
+    hidden, inner = down_proj.shape[1:]
+    if not _gram_saves(hidden_states.shape[0], hidden, inner):
+        return _direct_energy(hidden_states, gate_up_proj, down_proj, expert_mean, offset)
+    gram = down_proj.transpose(1, 2) @ down_proj  # [E, m, m]
     offset_in, offset_norm = torch.einsum("ehm,eh->em", down_proj, offset), offset.pow(2).sum(-1)  # [E, m], [E]
     energies = []
     for chunk in hidden_states.split(ENERGY_CHUNK_TOKENS):
-        gate, up = torch.einsum("th,efh->tef", chunk.float(), gate_up_proj).chunk(2, dim=-1)
-        deviation = F.silu(gate) * up - expert_mean  # [t, E, m]
+        deviation = _deviation(chunk, gate_up_proj, expert_mean)  # [t, E, m]
         projected = torch.einsum("tem,emn->ten", deviation, gram) - 2 * offset_in
         energies.append(((projected * deviation).sum(-1) + offset_norm).clamp_min(0))  # >= 0 but for rounding
+    return torch.cat(energies)
+
+
+def _gram_saves(tokens: int, hidden: int, inner: int) -> bool:
+    """Whether the Gram form's multiply-adds per expert, `H m^2 + T m^2`, are fewer than the direct `T H m`."""
+    return inner * (hidden + tokens) < tokens * hidden
+
+
+def _deviation(chunk: torch.Tensor, gate_up_proj: torch.Tensor, expert_mean: torch.Tensor) -> torch.Tensor:
+    """`[t, E, m]`: each expert's activations on the tokens `chunk [t, H]` less their means."""
+    gate, up = torch.einsum("th,efh->tef", chunk.float(), gate_up_proj).chunk(2, dim=-1)
+    return F.silu(gate) * up - expert_mean
+
+
+def _direct_energy(hidden_states, gate_up_proj, down_proj, expert_mean, offset) -> torch.Tensor:
+    """`deviation_energy` as the squared norm of each expert's projected output error, `[t, E, H]` a chunk."""
+    energies = []
+    for chunk in hidden_states.split(ENERGY_CHUNK_TOKENS // 4):  # [t, E, H] is H / m times the Gram form's
+        error = torch.einsum("tem,ehm->teh", _deviation(chunk, gate_up_proj, expert_mean), down_proj) - offset
+        energies.append(error.pow(2).sum(-1))
     return torch.cat(energies)
 
 
