@@ -49,6 +49,7 @@ RUN_SETTINGS = (
     "progress",
     "token",
     "allow_pickle",
+    "force",
 )
 MergeRun = declared_flags("MergeRun", RunOptions, RUN_SETTINGS, required=("output",))
 

@@ -23,8 +23,8 @@ for causal attention; A = an MoE MLP's active parameters; E = heal epochs; T = h
                  keeping the layer inputs and one back down, 3 x N x L x F, and the loss's gradient, 4 x N x H x V
     layer heal   T x L x F for the states and targets (twice under `heal_target: stream`), and per MoE layer
                  T x A x (6 E + 3): E passes of Adam's forward and backward, the error before and after, the outputs;
-                 with the routing term (`heal_routing_weight`), 2 x T x E x R for its target, the output of every
-                 routed expert (R: their parameters) on every batch
+                 with the routing term (`heal_routing_weight`), E x its target on every batch: every routed
+                 expert's output error (`gmoefication.energy_flops`)
     joint heal   J x (6 x the student's active parameters + 2 x the dense model's): forward and backward of the
                  student, forward of the teacher
 
@@ -163,10 +163,14 @@ def _active_mlp(plan, layer_idx: int) -> int:
     return count_parameters(plan.config, {k: v for k, v in plan.expected.items() if k.startswith(prefix)})[1]
 
 
-def _routed_mlp(plan, layer_idx: int) -> int:
-    """The routed experts' parameters in layer `layer_idx`."""
-    prefix = f"model.layers.{layer_idx}.mlp.experts."
-    return sum(math.prod(shape) for name, shape in plan.expected.items() if name.startswith(prefix))
+def _routing_target_flops(plan, layer_idx: int) -> float:
+    """One epoch of the heal's routing target in layer `layer_idx`: `deviation_energy` on each batch."""
+    from .routers.selector.gmoefication import energy_flops
+
+    experts, hidden, inner = plan.expected[f"model.layers.{layer_idx}.mlp.experts.down_proj"]
+    tokens, batch = plan.recipe.heal_tokens, plan.recipe.heal_batch_tokens
+    full, rest = divmod(tokens, batch)
+    return full * energy_flops(batch, hidden, inner, experts) + energy_flops(rest, hidden, inner, experts)
 
 
 def _healing_progress(plan) -> float:
@@ -190,7 +194,7 @@ def _layer_heal(plan, counts, overhead: float, disk: float, folder, dtype_bytes:
     flops = _streams(r) * r.heal_tokens * layers * _layer_flops(plan, counts)
     flops += r.heal_tokens * (6 * r.heal_epochs + 3) * sum(_active_mlp(plan, i) for i in moe)
     if r.heal_routing_weight:  # the routing term's target: every routed expert's output on every batch
-        flops += 2 * r.heal_tokens * r.heal_epochs * sum(_routed_mlp(plan, i) for i in moe)
+        flops += r.heal_epochs * sum(_routing_target_flops(plan, i) for i in moe)
     return Stage("layer heal", peak, "--heal-tokens", disk, folder, flops)
 
 
@@ -284,9 +288,11 @@ def check_forecast(stages: list[Stage], available: float, force: bool) -> None:
     over = [stage for stage in stages if stage.peak > HEADROOM * available]
     if over:
         worst = max(over, key=lambda stage: stage.peak)
+        remedies = "; ".join(stage.remedy for stage in over if stage.remedy)
+        fix = f"lower {remedies}" if remedies else "run it where more memory is free"
         raise ValueError(
             f"The {worst.name} stage needs about {worst.peak / GIB:.1f} GiB and {available / GIB:.1f} GiB is free: "
-            f"lower {'; '.join(stage.remedy for stage in over)}, or pass --force to run anyway."
+            f"{fix}, or pass --force to run anyway."
         )
     for stage in stages:
         if stage.disk and stage.disk > (free := disk_free(stage.folder)):

@@ -61,9 +61,11 @@ def _merge_into(output: Path, plan) -> ConversionResult:
 
 
 def gate_context(plan, source):
-    """The calibration context of a merge's gate (`expert_inputs`: every expert model's prompts or data), prepared;
-    the base model it loaded released."""
+    """The calibration context of a merge's gate (`expert_inputs`: every expert model's prompts or data), prepared
+    after the forecast (`conversion.pipeline.check_memory`: one line where it will not fit); the base model it
+    loaded released."""
     from ..conversion.calibration import CalibrationContext
+    from ..conversion.pipeline import check_memory
     from ..conversion.routers.base import ExpertInputs
 
     merge, run = plan.merge, plan.run
@@ -85,6 +87,8 @@ def gate_context(plan, source):
         gate_tokens=merge.gate_tokens,
         device=run.device,
     )
+    plan.request(context)
+    check_memory(plan, run, source.dtype, context.requested)
     plan.prepare(context)
     context.release()
     return context

@@ -90,6 +90,25 @@ def test_the_merged_folder_records_its_sources(tmp_path):
     assert (out / "merge_recipe.yaml").read_text().count("source_model") == 2
 
 
+def test_a_merge_that_will_not_fit_stops_before_its_work(tmp_path, monkeypatch):
+    """The merge's forecast, as convert's: one line naming the stage, what it needs and what is free, before the
+    gate's passes and the write (nothing written); with room, the forecast is in the folder's conversion_info."""
+    from llama_moe import footprint
+
+    base, folders, _ = sources(tmp_path, "llama", count=2)
+    before = set(tmp_path.iterdir())
+    with monkeypatch.context() as tight:
+        tight.setattr(footprint, "available_bytes", lambda device: 0.1 * footprint.GIB)
+        with pytest.raises(
+            ValueError,
+            match=r"^The write stage needs about \d\.\d GiB and 0\.1 GiB is free: run it where more memory is free, or ",
+        ):
+            merged(tmp_path, base, folders)
+    assert set(tmp_path.iterdir()) == before
+    forecast = json.loads((merged(tmp_path, base, folders) / "config.json").read_text())["conversion_info"]["forecast"]
+    assert set(forecast["memory_gib"]) == set(forecast["disk_gib"]) == {"write"}
+
+
 @pytest.mark.parametrize(
     ("family", "architecture", "shared"),
     [("mistral", "mixtral", False), ("qwen2", "qwen2_moe", True), ("qwen3", "qwen3_moe", False)],

@@ -69,6 +69,15 @@ def deviation_energy(
     return torch.cat(energies)
 
 
+def energy_flops(tokens: int, hidden: int, inner: int, experts: int) -> float:
+    """The FLOPs of `deviation_energy` on `tokens` rows (`experts` experts of `inner` neurons, `hidden` wide): the
+    activations, then the Gram form or the direct projection, whichever it takes."""
+    if not tokens:
+        return 0.0
+    output = inner * inner * (hidden + tokens) if _gram_saves(tokens, hidden, inner) else tokens * hidden * inner
+    return 2.0 * experts * (2 * inner * hidden * tokens + output)
+
+
 def _gram_saves(tokens: int, hidden: int, inner: int) -> bool:
     """Whether the Gram form's multiply-adds per expert, `H m^2 + T m^2`, are fewer than the direct `T H m`."""
     return inner * (hidden + tokens) < tokens * hidden
