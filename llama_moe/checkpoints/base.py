@@ -33,6 +33,10 @@ class DenseSource:
     def tensor(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape; sources that store it apart from the data (safetensors headers) read no tensor."""
+        return tuple(self.tensor(name).shape)
+
     def save_extras(self, out_dir: Path) -> None:
         """Write the tokenizer files (with the chat template) and generation_config.json into `out_dir`."""
         raise NotImplementedError

@@ -135,6 +135,10 @@ class FolderSource(DenseSource):
             del self._handles[file]
         return tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._open(self._files[name])  # from the header: the tensor stays unread
+        return tuple(handle[name].shape if isinstance(handle, dict) else handle.get_slice(name).get_shape())
+
     @property
     def dtype(self) -> torch.dtype:
         """Read from one row of the embedding: the whole of it can be a gigabyte."""

@@ -34,7 +34,8 @@ def open_models(config, *, allow_pickle: bool = False, token=None, download=None
 
 
 def check_compatible(base: DenseSource, source: DenseSource, name: str) -> None:
-    """One ValueError when `source` is of another family than the base, or any tensor differs in name or shape."""
+    """One ValueError when `source` is of another family than the base, or any tensor differs in name or shape
+    (read from the headers where the files have them: no tensor is loaded)."""
     if source.config.model_type != base.config.model_type:
         raise ValueError(
             f"Expert {name} is a {source.config.model_type!r} model and the base a {base.config.model_type!r} one: "
@@ -46,11 +47,10 @@ def check_compatible(base: DenseSource, source: DenseSource, name: str) -> None:
         odd = sorted(base_names ^ names)
         raise ValueError(f"Expert {name} and the base have different tensors ({len(odd)}, e.g. {odd[:2]}).")
     for tensor_name in sorted(names):
-        a, b = base.tensor(tensor_name), source.tensor(tensor_name)
-        if a.shape != b.shape:
+        a, b = base.shape(tensor_name), source.shape(tensor_name)
+        if a != b:
             raise ValueError(
-                f"Expert {name} has {tensor_name} of shape {tuple(b.shape)}, the base {tuple(a.shape)}: "
-                "a merge takes models of one shape."
+                f"Expert {name} has {tensor_name} of shape {b}, the base {a}: a merge takes models of one shape."
             )
 
 

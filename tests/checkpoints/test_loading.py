@@ -154,3 +154,16 @@ def test_hub_id_resolves_from_huggingface_hubs_local_cache(tiny_folders, tmp_pat
     assert info_lines("me/tiny", download=download)[0].startswith("me/tiny: LlamaMoEConfig")
     with pytest.raises(FileNotFoundError, match="could not be downloaded"):
         model_folder("me/absent", download=download)
+
+
+def test_a_folders_shapes_come_from_the_headers_without_reading_a_tensor(tmp_path):
+    from helpers import save_tiny_source
+
+    from llama_moe.checkpoints import open_source
+
+    model = save_tiny_source(tmp_path / "dense", "llama")
+    source = open_source(str(tmp_path / "dense"))
+    unread = {file: set(names) for file, names in source._unread.items()}
+    shapes = {name: source.shape(name) for name in source.names()}
+    assert shapes == {name: tuple(t.shape) for name, t in model.state_dict().items() if name in shapes}
+    assert source._unread == unread  # nothing was read: a merge checks its models' shapes before its forecast
