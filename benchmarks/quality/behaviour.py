@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--noise-floor", action="store_true", help="also the dense weights rounded to bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    missing = [folder for folder in args.models if not Path(folder, "config.json").is_file()]
+    if missing:  # before the dense reference's minutes, not after
+        parser.exit(2, f"behaviour.py: not a model folder (no config.json): {', '.join(missing)}\n")
     torch.set_num_threads(args.threads)
     split, texts = SETS[args.set]
     dense, tokenizer, _ = load_model("default", dtype="float32", device="cpu")

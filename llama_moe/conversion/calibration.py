@@ -30,6 +30,11 @@ SELF_MADE = {
 }
 
 
+def conversation_tokens(num_tokens: int) -> int:
+    """The conversations' tokens in `num_tokens` of a mix (`builtin:chat-mixed`): about half (a margin: never short)."""
+    return num_tokens * 3 // 5
+
+
 @contextlib.contextmanager
 def transformers_progress_bars(enabled: bool):
     """transformers' own bars (its "Loading weights") shown or not, as ours are; the global switch is restored."""
@@ -314,7 +319,7 @@ class CalibrationContext:
         made = self._maker(first)
         if second is None:
             return made.texts(num_tokens), made.description()
-        conversations = made.texts(num_tokens * 3 // 5)  # about half the tokens (a margin: never short)
+        conversations = made.texts(conversation_tokens(num_tokens))
         others = mixed_documents() if second == "mixed" else self._maker(second).texts(0, count=len(conversations))
         return in_turn(conversations, others), made.description(second)
 

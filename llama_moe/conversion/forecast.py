@@ -27,6 +27,10 @@ for causal attention; A = an MoE MLP's active parameters; E = heal epochs; T = h
                  expert's output error (`gmoefication.energy_flops`)
     joint heal   J x (6 x the student's active parameters + 2 x the dense model's): forward and backward of the
                  student, forward of the teacher
+    text         M x 2 x P_dense, M the tokens the dense model writes: as many as the conversion reads (the
+                 calibration's, or the heals' together where more), three fifths of them where its texts go in turn
+                 with `builtin:mixed`'s documents, and `builtin:chat-self`'s sampled texts counted as many again;
+                 nothing cached counted (a second conversion of the model makes only what the first did not)
 
 A stage's expected time is its FLOPs over the machine's float32 matmul rate (`matmul_rate`: the fastest product of
 the model's hidden size by up to 1024 of its MLP's columns on the compute device, over a second where the run is
@@ -58,7 +62,7 @@ from pathlib import Path
 
 from ..footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
 from ..footprint import teacher_bytes as _teacher_bytes
-from .calibration import SELF_MADE
+from .calibration import SELF_MADE, conversation_tokens
 from .healing.joint import BATCH_SEQUENCES as JOINT_BATCH
 from .registry import count_parameters
 from .statistics import IN_MEMORY_SHARE
@@ -91,7 +95,9 @@ def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -
     stages = []
     calibrates = requested or any(method.gradient_pass for method, _ in plan.components.values())
     if recipe.calibration_data in SELF_MADE and (recipe.heal_tokens or recipe.joint_heal_tokens or calibrates):
-        stages.append(_text(counts))
+        stages.append(
+            _text(counts, recipe, max(recipe.heal_tokens + recipe.joint_heal_tokens, recipe.calibration_tokens))
+        )
     samples = _samples(plan) if requested else 0.0
     if calibrates:
         stages.append(_calibration(plan, counts, available, overhead + samples))
@@ -114,14 +120,18 @@ def heal_forecast(plan, dtype_bytes: int) -> list[Stage]:
     output): the text the teacher makes, where the recipe's data is `builtin:chat` and the like, and the layer heal,
     its output and resume files on disk."""
     counts = parameter_counts(plan.dense_config)
-    stages = [_text(counts)] if plan.recipe.calibration_data in SELF_MADE else []
+    stages = [_text(counts, plan.recipe, plan.recipe.heal_tokens)] if plan.recipe.calibration_data in SELF_MADE else []
     output = dtype_bytes * sum(math.prod(shape) for shape in plan.expected.values())
     disk = output + _healing_progress(plan)
     return stages + [_layer_heal(plan, counts, OVERHEAD["cpu"], disk, _output_parent(plan), dtype_bytes)]
 
 
-def _text(counts) -> Stage:
-    return Stage("text", OVERHEAD["cpu"] + FP32 * counts.total, "--calibration-data FILE (text of your own)")
+def _text(counts, recipe, needed: int) -> Stage:
+    """The dense model writing `needed` tokens of `recipe.calibration_data` (those it makes itself: `SELF_MADE`)."""
+    _, mixed = SELF_MADE[recipe.calibration_data]
+    written = needed if mixed is None else conversation_tokens(needed) * (2 if mixed == "self" else 1)
+    remedy = "--calibration-data FILE (text of your own)"
+    return Stage("text", OVERHEAD["cpu"] + FP32 * counts.total, remedy, flops=2.0 * written * counts.total)
 
 
 def _output_parent(plan) -> Path | None:
@@ -211,8 +221,10 @@ def _joint_heal(plan, counts, disk: float, folder) -> Stage:
 # The share of the matmul rate each stage's code reaches: its attention, norms, routing, optimizer and the
 # transfers between layers are not matmuls. Set from benchmarks/memory/forecast_check.py on SmolLM2-135M and two
 # layers of Llama-3-8B's shape; the whole 8B shape confirms it within 17%, while the layer heal at 135M comes out
-# 1.35x too long: its Adam steps cost by the weights, not the FLOPs (docs/benchmarks.md).
-EFFICIENCY = {"calibration": 0.6, "layer heal": 0.45, "joint heal": 0.5}
+# 1.35x too long: its Adam steps cost by the weights, not the FLOPs (docs/benchmarks.md). The text stage's is set on
+# two 135M runs alone (0.17 and 0.19 reached; greedy decoding 32 rows at a time, bound there by each step's
+# overhead): larger models may reach more, and then take less than forecast.
+EFFICIENCY = {"text": 0.18, "calibration": 0.6, "layer heal": 0.45, "joint heal": 0.5}
 
 
 @functools.cache

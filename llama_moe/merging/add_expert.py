@@ -38,7 +38,7 @@ def add_expert(
     from ..checkpoints.atomic import atomic_folder
     from ..conversion.pipeline import check_not_source, check_output
     from ..conversion.registry import ROUTER_INITS
-    from .pipeline import gate_context
+    from .pipeline import gate_context, prepare_gate
     from .plan import MergePlan
 
     moe = open_merged(into)
@@ -65,6 +65,7 @@ def add_expert(
     plan = MergePlan.for_merge(merge, source, run)
     check_matches(plan, moe)
     context = gate_context(plan, source)
+    prepare_gate(plan, context)
     with atomic_folder(output) as tmp:
         result = write(plan, moe, added, context, tmp)
     result.output_dir = output

@@ -1,10 +1,11 @@
 """`merge`: a base model and N expert models of one source family -> one MoE checkpoint folder, streamed a layer at a
 time as `convert` streams one model.
 
-    MergeConfig -> check -> open every model (one family, one shape: checked) -> report the non-FFN weights the expert
-        models do not share with the base -> plan (the per-model method widened to every model) -> the gate's
-        passes (prompts, data) -> tensors streamed into shards -> config, code, tokenizer, merge recipe, card ->
-        the temporary folder replaces the output (or, with `architecture`, is exported into it)
+    MergeConfig -> check -> open every model (one family, one shape: checked from the headers) -> plan (the
+        per-model method widened to every model) -> the forecast (one line where it will not fit) -> report the
+        non-FFN weights the expert models do not share with the base -> the gate's passes (prompts, data) ->
+        tensors streamed into shards -> config, code, tokenizer, merge recipe, card -> the temporary folder
+        replaces the output (or, with `architecture`, is exported into it)
 
 A failed or interrupted merge leaves nothing behind and never touches its sources.
 """
@@ -27,7 +28,7 @@ def merge(config: MergeConfig, run: RunOptions, *, download=None) -> ConversionR
 
     from ..conversion.registry import ROUTER_INITS
     from .plan import MergePlan
-    from .sources import MergedSource, non_ffn_differences, open_models, report_differences
+    from .sources import MergedSource, open_models
 
     config.check()
     ROUTER_INITS[config.gate_mode].check_experts(config.experts)  # an unknown gate mode, a missing prompt: one line
@@ -40,19 +41,19 @@ def merge(config: MergeConfig, run: RunOptions, *, download=None) -> ConversionR
     source = MergedSource(base, experts, shared, average=config.non_ffn == "average")
     plan = MergePlan.for_merge(config, source, run)
     _check_architecture(config, plan.config)
-    report_differences(non_ffn_differences(base, experts + shared), config.non_ffn)
+    context = gate_context(plan, source)
+    prepare_gate(plan, context, report=True)
     if config.architecture == "llama_moe":
-        return _merge_into(output, plan)
-    return _merge_and_export(output, plan)
+        return _merge_into(output, plan, context)
+    return _merge_and_export(output, plan, context)
 
 
-def _merge_into(output: Path, plan) -> ConversionResult:
+def _merge_into(output: Path, plan, context) -> ConversionResult:
     import torch
 
     from ..checkpoints.atomic import atomic_folder
 
     config, source = plan.merge, plan.source
-    context = gate_context(plan, source)
     plan.config.dtype = getattr(torch, config.dtype) if config.dtype else source.dtype
     with atomic_folder(output) as tmp:
         result = _write(plan, source, context, tmp, config)
@@ -61,9 +62,8 @@ def _merge_into(output: Path, plan) -> ConversionResult:
 
 
 def gate_context(plan, source):
-    """The calibration context of a merge's gate (`expert_inputs`: every expert model's prompts or data), prepared
-    after the forecast (`conversion.pipeline.check_memory`: one line where it will not fit); the base model it
-    loaded released."""
+    """The calibration context of a merge's gate (`expert_inputs`: every expert model's prompts or data), after the
+    forecast (`conversion.pipeline.check_memory`: one line where it will not fit); no weight read yet."""
     from ..conversion.calibration import CalibrationContext
     from ..conversion.pipeline import check_memory
     from ..conversion.routers.base import ExpertInputs
@@ -89,9 +89,20 @@ def gate_context(plan, source):
     )
     plan.request(context)
     check_memory(plan, run, source.dtype, context.requested)
+    return context
+
+
+def prepare_gate(plan, context, report: bool = False) -> None:
+    """The gate's passes over the models (`plan.prepare`), then the base model they loaded released; with `report`,
+    first the non-FFN weights the expert models do not share with the base (read a tensor at a time, so after the
+    forecast)."""
+    from .sources import non_ffn_differences, report_differences
+
+    source = plan.source
+    if report:
+        report_differences(non_ffn_differences(source.base, source.experts + source.shared), plan.merge.non_ffn)
     plan.prepare(context)
     context.release()
-    return context
 
 
 def _check_architecture(config: MergeConfig, output_config) -> None:
@@ -158,7 +169,7 @@ def _commit(model) -> str | None:
     return path.name if model.hub_id and path.parent.name == "snapshots" else None
 
 
-def _merge_and_export(output: Path, plan) -> ConversionResult:
+def _merge_and_export(output: Path, plan, context) -> ConversionResult:
     """Merge into a temporary LlamaMoE folder beside the output, then export it exactly into the output."""
     import dataclasses
 
@@ -171,7 +182,7 @@ def _merge_and_export(output: Path, plan) -> ConversionResult:
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.merge-") as staging:
         merged = Path(staging) / "llama_moe"
         plan.run = dataclasses.replace(run, output=str(merged), overwrite=False, eval=False)
-        result = _merge_into(merged, plan)
+        result = _merge_into(merged, plan, context)
         exported = export_model(
             merged, plan.merge.architecture, output, overwrite=run.overwrite, progress=run.progress, eval=False
         )

@@ -3,9 +3,10 @@ as huggingface_hub's cache would give it) or `default`; `chat` computes in the c
 
 import pytest
 import torch
-from helpers import save_tiny_moe
+from helpers import save_tiny_moe, save_tiny_source
 
 from llama_moe.chat import chat
+from llama_moe.checkpoints import open_source
 from llama_moe.commands import main
 from llama_moe.commands.info import info_lines
 from llama_moe.loading import load_model, model_folder
@@ -157,10 +158,6 @@ def test_hub_id_resolves_from_huggingface_hubs_local_cache(tiny_folders, tmp_pat
 
 
 def test_a_folders_shapes_come_from_the_headers_without_reading_a_tensor(tmp_path):
-    from helpers import save_tiny_source
-
-    from llama_moe.checkpoints import open_source
-
     model = save_tiny_source(tmp_path / "dense", "llama")
     source = open_source(str(tmp_path / "dense"))
     unread = {file: set(names) for file, names in source._unread.items()}

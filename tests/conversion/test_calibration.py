@@ -340,6 +340,32 @@ def test_builtin_chat_is_the_dense_models_own_answers_in_its_chat_format(tmp_pat
     assert not any(prompt in held_out for prompt, _ in context._made["chat"].pairs)
 
 
+@pytest.mark.parametrize("data", ["builtin:chat", "builtin:chat-mixed"])
+def test_the_text_stages_forecast_counts_the_tokens_the_dense_model_writes(tmp_path, monkeypatch, data):
+    """The forecast's text stage (its FLOPs: 2 x the dense parameters a token) counts what the conversion has the dense
+    model write: the heals' tokens together, or the calibration's where more; its conversations alone in a mix. The
+    made text overshoots it by at most one batch of conversations."""
+    from helpers import CHAT_TEMPLATE, char_tokenizer
+
+    from llama_moe.conversion.forecast import _text
+    from llama_moe.footprint import parameter_counts
+    from llama_moe.text.chat import BATCH
+
+    monkeypatch.setenv("LLAMA_MOE_HF_CACHE", str(tmp_path))
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_llama().eval()
+    for calibration_tokens, heal_tokens, joint_tokens in ((512, 8192, 8192), (16384, 512, 512)):  # several batches
+        fields = dict(calibration_tokens=calibration_tokens, heal_tokens=heal_tokens, joint_heal_tokens=joint_tokens)
+        recipe = MoERecipe(calibration_data=data, **fields)
+        context = CalibrationContext(recipe, lambda *_: model, lambda: tokenizer, device="cpu", progress=False)
+        context.release()
+        made = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in context._made["chat"].texts(0)]
+        counts = parameter_counts(model.config)
+        forecast = _text(counts, recipe, max(heal_tokens + joint_tokens, calibration_tokens)).flops / (2 * counts.total)
+        assert sum(made[:-BATCH]) < forecast <= sum(made)
+
+
 def test_builtin_chat_answers_are_cached_per_model(tmp_path, monkeypatch):
     """A second conversion of the same model reads the answers made by the first and answers only what is new; a model
     with other weights answers everything again."""

@@ -90,11 +90,14 @@ def test_the_merged_folder_records_its_sources(tmp_path):
     assert (out / "merge_recipe.yaml").read_text().count("source_model") == 2
 
 
-def test_a_merge_that_will_not_fit_stops_before_its_work(tmp_path, monkeypatch):
+def test_a_merge_that_will_not_fit_stops_before_its_work(tmp_path, monkeypatch, caplog):
     """The merge's forecast, as convert's: one line naming the stage, what it needs and what is free, before the
-    gate's passes and the write (nothing written); with room, the forecast is in the folder's conversion_info."""
+    non-FFN weights are compared, the gate's passes and the write (nothing read or written); with room, the forecast
+    is in the folder's conversion_info."""
     from llama_moe import footprint
 
+    caplog.set_level("INFO", logger="llama_moe")
+    shared = "The expert models share every non-FFN weight with the base."
     base, folders, _ = sources(tmp_path, "llama", count=2)
     before = set(tmp_path.iterdir())
     with monkeypatch.context() as tight:
@@ -104,9 +107,10 @@ def test_a_merge_that_will_not_fit_stops_before_its_work(tmp_path, monkeypatch):
             match=r"^The write stage needs about \d\.\d GiB and 0\.1 GiB is free: run it where more memory is free, or ",
         ):
             merged(tmp_path, base, folders)
-    assert set(tmp_path.iterdir()) == before
+    assert set(tmp_path.iterdir()) == before and shared not in caplog.messages
     forecast = json.loads((merged(tmp_path, base, folders) / "config.json").read_text())["conversion_info"]["forecast"]
     assert set(forecast["memory_gib"]) == set(forecast["disk_gib"]) == {"write"}
+    assert shared in caplog.messages
 
 
 @pytest.mark.parametrize(
