@@ -30,6 +30,12 @@ SELF_MADE = {
 }
 
 
+def text_tokens(recipe) -> int:
+    """The tokens a conversion reads of its calibration text: the heals' together, or the calibration's where more
+    (what the dense model writes of `SELF_MADE` text before it is released, and what the forecast counts)."""
+    return max(recipe.heal_tokens + recipe.joint_heal_tokens, recipe.calibration_tokens)
+
+
 def conversation_tokens(num_tokens: int) -> int:
     """The conversations' tokens in `num_tokens` of a mix (`builtin:chat-mixed`): about half (a margin: never short)."""
     return num_tokens * 3 // 5
@@ -350,10 +356,9 @@ class CalibrationContext:
         """Text that only the dense model can make (`builtin:chat`) made now, as much as the conversion will read
         (healing included), then the model dropped."""
         r = self.recipe
-        needed = r.heal_tokens + r.joint_heal_tokens
         made_here = r.calibration_data in SELF_MADE and self.data_description != "given token ids"
-        if made_here and (needed or self.used) and not self._text_made:
-            self.tokens(max(needed, r.calibration_tokens))
+        if made_here and (r.heal_tokens or r.joint_heal_tokens or self.used) and not self._text_made:
+            self.tokens(text_tokens(r))
             self._text_made = True
         for made in self._made.values():
             made.model = None

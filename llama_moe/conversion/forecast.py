@@ -62,7 +62,7 @@ from pathlib import Path
 
 from ..footprint import GIB, HEADROOM, OVERHEAD, RunSettings, estimate_footprint, parameter_counts
 from ..footprint import teacher_bytes as _teacher_bytes
-from .calibration import SELF_MADE, conversation_tokens
+from .calibration import SELF_MADE, conversation_tokens, text_tokens
 from .healing.joint import BATCH_SEQUENCES as JOINT_BATCH
 from .registry import count_parameters
 from .statistics import IN_MEMORY_SHARE
@@ -95,9 +95,7 @@ def forecast(plan, available: float, dtype_bytes: int, requested: bool = True) -
     stages = []
     calibrates = requested or any(method.gradient_pass for method, _ in plan.components.values())
     if recipe.calibration_data in SELF_MADE and (recipe.heal_tokens or recipe.joint_heal_tokens or calibrates):
-        stages.append(
-            _text(counts, recipe, max(recipe.heal_tokens + recipe.joint_heal_tokens, recipe.calibration_tokens))
-        )
+        stages.append(_text(counts, recipe, text_tokens(recipe)))
     samples = _samples(plan) if requested else 0.0
     if calibrates:
         stages.append(_calibration(plan, counts, available, overhead + samples))

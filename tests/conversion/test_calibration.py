@@ -362,7 +362,7 @@ def test_the_text_stages_forecast_counts_the_tokens_the_dense_model_writes(tmp_p
         context.release()
         made = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in context._made["chat"].texts(0)]
         counts = parameter_counts(model.config)
-        forecast = _text(counts, recipe, max(heal_tokens + joint_tokens, calibration_tokens)).flops / (2 * counts.total)
+        forecast = _text(counts, recipe, calibration.text_tokens(recipe)).flops / (2 * counts.total)
         assert sum(made[:-BATCH]) < forecast <= sum(made)
 
 
